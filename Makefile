@@ -1,0 +1,31 @@
+# Two targets do everything on a fresh machine: `make train` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
+
+.PHONY: train test setup lint bench clean-venv
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=24"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/agentrl train experiments/default.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: $(STAMP)
+	for f in benchmarks/*.py; do $(PY) $$f; done
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,205 @@
+"""Experiment configs: module loading, ``key=value`` variants, ``--set`` overrides, sweeps.
+
+An experiment is a Python module ``experiments/<name>.py`` with ``get_config(arg=None)``
+returning an ``ml_collections.ConfigDict`` built on :func:`base_config`, and optionally
+``sweep(add)`` calling ``add(**overrides)`` once per sweep point (big_vision style)::
+
+    cfg = load_config("experiments/default.py:smoke=True", overrides=["model.n_layers=8"])
+
+Every default lives in :func:`base_config`. Sections mirror frozen dataclasses (the single source
+of each default); they are converted back with :func:`to_dataclass` at the edge, so a typo is an
+error instead of a silent new key.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_collections
+
+ConfigDict = ml_collections.ConfigDict
+
+
+def _section(cls) -> ConfigDict:
+    return ConfigDict(dataclasses.asdict(cls()))
+
+
+def base_config() -> ConfigDict:
+    """The one base config holding every default of a run. Experiments modify a copy."""
+    from agentrl_jax.model.config import ModelConfig
+    from agentrl_jax.sharding import MeshConfig
+
+    cfg = ConfigDict()
+    cfg.name = "experiment"
+    cfg.seed = 0
+    cfg.smoke = False
+    cfg.workdir = "runs"  # run directories are created under here
+    cfg.policy = "fp32"  # agentrl_jax.precision preset name
+    cfg.model = _section(ModelConfig)
+    cfg.mesh = _section(MeshConfig)
+    for name, factory in _EXTRA_SECTIONS.items():
+        cfg[name] = _section(factory())
+    return cfg
+
+
+# Sections contributed by subsystems: name -> zero-arg callable returning the dataclass type.
+_EXTRA_SECTIONS: dict[str, Callable[[], type]] = {}
+
+
+def register_section(name: str, cls_getter: Callable[[], type]) -> None:
+    """Adds a config section whose defaults are the fields of a frozen dataclass."""
+    _EXTRA_SECTIONS[name] = cls_getter
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_arg(arg: str | None, **defaults) -> ConfigDict:
+    """Parses ``"smoke=True,size=small"`` into a ConfigDict on top of ``defaults``.
+
+    Values are Python literals where they parse, else strings. Raises ``ValueError`` for a key
+    not in ``defaults`` (when defaults are given) or a malformed item.
+    """
+    out = ConfigDict(defaults)
+    if not arg:
+        return out
+    for item in arg.split(","):
+        if not item:
+            continue
+        if "=" not in item:
+            raise ValueError(f"experiment argument {item!r} must look like key=value")
+        key, value = item.split("=", 1)
+        key = key.strip()
+        if defaults and key not in defaults:
+            raise ValueError(f"unknown experiment argument {key!r}; known: {sorted(defaults)}")
+        value = _literal(value)
+        if key in out and isinstance(out[key], bool) and not isinstance(value, bool):
+            raise ValueError(f"experiment argument {key}={value!r} must be True or False")
+        out[key] = value
+    return out
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """``"experiments/x.py:smoke=True"`` -> ``("experiments/x.py", "smoke=True")``."""
+    path, _, arg = spec.partition(":")
+    return path, (arg or None)
+
+
+def load_module(path: str):
+    """Imports an experiment module from a file path. Raises ``ValueError`` if missing."""
+    if not os.path.isfile(path):
+        raise ValueError(f"experiment file {path!r} does not exist")
+    name = "agentrl_experiment_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"experiment {path!r} has no get_config(arg=None)")
+    return module
+
+
+def apply_overrides(cfg: ConfigDict, overrides: Sequence[str] | dict[str, Any]) -> ConfigDict:
+    """Applies ``["model.n_layers=8", ...]`` (or a dict) to a locked copy of ``cfg``.
+
+    Raises:
+      ValueError: unknown key, or a value of the wrong type (message names the key).
+    """
+    cfg = ConfigDict(cfg.to_dict())
+    cfg.lock()
+    items = overrides.items() if isinstance(overrides, dict) else (_split(o) for o in overrides)
+    for key, value in items:
+        node = cfg
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            if not isinstance(node, ConfigDict) or part not in node:
+                raise ValueError(
+                    f"unknown config key {key!r} (no {'.'.join(parts[: i + 1])!r}); "
+                    f"known here: {sorted(node.keys()) if isinstance(node, ConfigDict) else []}"
+                )
+            if i < len(parts) - 1:
+                node = node[part]
+        old = node[parts[-1]]
+        value = _coerce(key, old, value)
+        try:
+            node[parts[-1]] = value
+        except (TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"config key {key!r}: {e}") from None
+    return cfg
+
+
+def _split(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ValueError(f"override {item!r} must look like key=value")
+    key, value = item.split("=", 1)
+    return key.strip(), _literal(value) if isinstance(value, str) else value
+
+
+def _coerce(key: str, old: Any, value: Any) -> Any:
+    if isinstance(old, ConfigDict):
+        raise ValueError(f"config key {key!r} is a section; set one of its fields")
+    if old is None or value is None:
+        return value
+    if isinstance(old, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"config key {key!r} expects a bool, got {value!r}")
+        return value
+    if isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(old, tuple) and isinstance(value, list):
+        value = tuple(value)
+    if isinstance(old, str) and not isinstance(value, str):
+        value = str(value)
+    if type(value) is not type(old):
+        raise ValueError(
+            f"config key {key!r} expects {type(old).__name__}, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    return value
+
+
+def load_config(spec: str, overrides: Sequence[str] = ()) -> ConfigDict:
+    """Loads ``path.py[:arg]``, applies overrides, and returns a locked ConfigDict."""
+    path, arg = split_spec(spec)
+    module = load_module(path)
+    cfg = module.get_config(arg)
+    if not isinstance(cfg, ConfigDict):
+        raise ValueError(f"{path}: get_config must return an ml_collections.ConfigDict")
+    cfg = apply_overrides(cfg, list(overrides))
+    return cfg
+
+
+def sweep_points(spec: str) -> list[dict[str, Any]]:
+    """The override dicts of the experiment's ``sweep(add)`` (empty if it has none)."""
+    path, _ = split_spec(spec)
+    module = load_module(path)
+    points: list[dict[str, Any]] = []
+    if hasattr(module, "sweep"):
+        module.sweep(lambda **kw: points.append(kw))
+    return points
+
+
+def to_dataclass(section: ConfigDict | dict, cls):
+    """Converts a config section into the frozen dataclass ``cls`` (validated there).
+
+    Raises ``ValueError`` for keys the dataclass does not have.
+    """
+    data = section.to_dict() if isinstance(section, ConfigDict) else dict(section)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no fields {sorted(unknown)}")
+    for f in dataclasses.fields(cls):
+        if f.name in data and isinstance(data[f.name], list):
+            data[f.name] = tuple(data[f.name])
+    return cls(**data)

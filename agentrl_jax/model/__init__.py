@@ -1,0 +1,1 @@
+"""agentrl_jax.model."""

@@ -1,0 +1,192 @@
+"""Dtype policies: one frozen object fixes every dtype the model, sampler and trainer use.
+
+The sampler and the trainer receive the *same* policy object, so the numbers a rollout samples
+from are the numbers training differentiates. A policy that lets them differ says so in its name
+and is measured by the mismatch metrics (``agentrl_jax.rl.mismatch``).
+
+Presets (``get_policy(name)``):
+  fp32          everything fp32.
+  bf16          fp32 params, bf16 matmul inputs, fp32 accumulation, fp32 softmax/router/logits.
+  fp8           like bf16, but matmul inputs are quantised to float8_e4m3fn with per-tensor
+                scales (emulated: the fp8 values are upcast for the dot, so every backend gives
+                the same numbers; hardware fp8 units are a later optimisation).
+  fp32-parity   fp32, and training recomputes logprobs with the rollout's chunk function so the
+  bf16-parity   bf16,  sampler's and trainer's logprobs are bitwise equal (see rollout/).
+  bf16-int8kv   bf16 with an int8 KV cache (per-page, per-head scales).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_DTYPES = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+    "int8": jnp.int8,
+}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _dtype_name(x) -> str:
+    return jnp.dtype(x).name
+
+
+@dataclasses.dataclass(frozen=True)
+class DTypePolicy:
+    """Every dtype choice of a run. Dtypes are stored as names so the policy is hashable/static.
+
+    Attributes:
+      name: preset name (appears in logs and benchmark lines).
+      param_dtype: dtype parameters are stored (and optimised) in.
+      compute_dtype: dtype of activations and matmul inputs.
+      accum_dtype: ``preferred_element_type`` of matmuls (accumulation).
+      attn_dtype: dtype of attention logits and softmax.
+      router_dtype: dtype of MoE router logits and routing probabilities.
+      logits_dtype: dtype of vocabulary logits and logprobs; always float32.
+      kv_cache_dtype: dtype of cached keys/values ('int8' means per-page-per-head scales).
+      fp8_matmul: quantise matmul inputs to float8_e4m3fn with per-tensor scales.
+      kernel_impl: 'auto' | 'xla' | 'pallas' for the attention ops.
+      parity: training recomputes logprobs through the rollout's chunk function
+        (bitwise rollout/train agreement at some cost in speed).
+    """
+
+    name: str = "fp32"
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    accum_dtype: str = "float32"
+    attn_dtype: str = "float32"
+    router_dtype: str = "float32"
+    logits_dtype: str = "float32"
+    kv_cache_dtype: str = "float32"
+    fp8_matmul: bool = False
+    kernel_impl: str = "auto"
+    parity: bool = False
+
+    def __post_init__(self):
+        for field in (
+            "param_dtype",
+            "compute_dtype",
+            "accum_dtype",
+            "attn_dtype",
+            "router_dtype",
+            "logits_dtype",
+            "kv_cache_dtype",
+        ):
+            value = getattr(self, field)
+            if value not in _DTYPES:
+                raise ValueError(f"DTypePolicy.{field}={value!r}; allowed: {sorted(_DTYPES)}")
+        if self.logits_dtype != "float32":
+            raise ValueError(f"DTypePolicy.logits_dtype must be 'float32', got {self.logits_dtype!r}")
+        if self.kernel_impl not in ("auto", "xla", "pallas"):
+            raise ValueError(
+                f"DTypePolicy.kernel_impl={self.kernel_impl!r}; allowed: 'auto', 'xla', 'pallas'"
+            )
+
+    # Dtype objects -------------------------------------------------------------------------
+    @property
+    def param(self):
+        return _DTYPES[self.param_dtype]
+
+    @property
+    def compute(self):
+        return _DTYPES[self.compute_dtype]
+
+    @property
+    def accum(self):
+        return _DTYPES[self.accum_dtype]
+
+    @property
+    def attn(self):
+        return _DTYPES[self.attn_dtype]
+
+    @property
+    def router(self):
+        return _DTYPES[self.router_dtype]
+
+    @property
+    def logits(self):
+        return _DTYPES[self.logits_dtype]
+
+    @property
+    def kv_cache(self):
+        return _DTYPES[self.kv_cache_dtype]
+
+    def replace(self, **changes) -> DTypePolicy:
+        return dataclasses.replace(self, **changes)
+
+    # Matmul ---------------------------------------------------------------------------------
+    def einsum(self, subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        """``jnp.einsum`` of activation ``x`` and weight ``w`` under this policy.
+
+        Inputs are cast to the compute dtype (or quantised to fp8 with per-tensor scales),
+        accumulated in ``accum`` and returned in the compute dtype.
+        """
+        if self.fp8_matmul:
+            xq, sx = quantize_fp8(x)
+            wq, sw = quantize_fp8(w)
+            y = jnp.einsum(
+                subscripts,
+                xq.astype(self.compute),
+                wq.astype(self.compute),
+                preferred_element_type=self.accum,
+            )
+            return (y * (sx * sw).astype(self.accum)).astype(self.compute)
+        y = jnp.einsum(
+            subscripts,
+            x.astype(self.compute),
+            w.astype(self.compute),
+            preferred_element_type=self.accum,
+        )
+        return y.astype(self.compute)
+
+
+def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-tensor symmetric float8_e4m3fn quantisation: returns (x_q, scale), x ~ x_q * scale."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    scale = jnp.maximum(amax, 1e-12) / FP8_MAX
+    xq = (x.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn)
+    return xq, jax.lax.stop_gradient(scale)
+
+
+_PRESETS = {
+    "fp32": DTypePolicy(name="fp32"),
+    "bf16": DTypePolicy(name="bf16", compute_dtype="bfloat16", kv_cache_dtype="bfloat16"),
+    "fp8": DTypePolicy(
+        name="fp8", compute_dtype="bfloat16", kv_cache_dtype="bfloat16", fp8_matmul=True
+    ),
+    "fp32-parity": DTypePolicy(name="fp32-parity", parity=True),
+    "bf16-parity": DTypePolicy(
+        name="bf16-parity", compute_dtype="bfloat16", kv_cache_dtype="bfloat16", parity=True
+    ),
+    "bf16-int8kv": DTypePolicy(name="bf16-int8kv", compute_dtype="bfloat16", kv_cache_dtype="int8"),
+}
+
+
+def policy_names() -> list[str]:
+    """Names accepted by :func:`get_policy`."""
+    return sorted(_PRESETS)
+
+
+def get_policy(name: str | DTypePolicy, **overrides) -> DTypePolicy:
+    """Returns the preset policy ``name`` (optionally with fields replaced).
+
+    Raises:
+      ValueError: unknown name or invalid override.
+    """
+    if isinstance(name, DTypePolicy):
+        policy = name
+    else:
+        if name not in _PRESETS:
+            raise ValueError(f"unknown dtype policy {name!r}; known: {policy_names()}")
+        policy = _PRESETS[name]
+    if overrides:
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(DTypePolicy)}
+        if unknown:
+            raise ValueError(f"unknown DTypePolicy fields {sorted(unknown)}")
+        policy = dataclasses.replace(policy, **overrides)
+    return policy
