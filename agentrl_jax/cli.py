@@ -1,0 +1,193 @@
+"""The ``agentrl`` console script: ``train | eval | sweep | plan | bench | report``.
+
+Each subcommand lazily imports its implementation and calls ``run_from_cli(args)`` with the
+parsed ``argparse.Namespace``, so a missing piece only disables its own subcommand::
+
+    agentrl train experiments/default.py:smoke=True --set model.n_layers=8
+    agentrl eval runs/default-20250101-120000 --split heldout --episodes 64
+    agentrl sweep experiments/default.py --set rl.lr=1e-5
+    agentrl plan experiments/seed_moe_100l.py --devices 256
+    agentrl bench rollout -- --fast      (runs benchmarks/rollout.py with this Python)
+    agentrl report runs/default-20250101-120000
+
+Exit codes: what ``run_from_cli`` returns (``None`` -> 0); 2 for usage errors, a subcommand that
+is not available yet, and ``ValueError`` (bad config / input: one line on stderr, no traceback;
+set ``AGENTRL_DEBUG=1`` to get the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+PROG = "agentrl"
+DEBUG_ENV = "AGENTRL_DEBUG"
+
+# subcommand -> module whose run_from_cli(args) implements it.
+COMMANDS: dict[str, str] = {
+    "train": "agentrl_jax.train.rl_loop",
+    "eval": "agentrl_jax.train.evaluate",
+    "sweep": "agentrl_jax.train.sweep",
+    "plan": "agentrl_jax.model.plan",
+    "report": "agentrl_jax.report",
+}
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class CommandError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+def _add_spec(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="experiment module and variant, e.g. experiments/x.py:smoke=True")
+    _add_set(p)
+
+
+def _add_set(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, e.g. --set model.n_layers=8 (repeatable)",
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``agentrl`` argument parser (subcommand in ``args.command``)."""
+    from agentrl_jax import __version__
+
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="run the RL loop of an experiment")
+    _add_spec(p)
+    p.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue this run directory")
+
+    p = sub.add_parser("eval", help="evaluate a run directory or checkpoint")
+    p.add_argument("run_dir_or_checkpoint")
+    p.add_argument("--split", default=None, help="task split (default: the evaluator's)")
+    p.add_argument("--difficulty", default=None, help="task difficulty filter")
+    p.add_argument("--episodes", type=_positive_int, default=None, help="number of episodes")
+    p.add_argument(
+        "--config", dest="spec", default=None, help="experiment spec (default: the run's config)"
+    )
+    _add_set(p)
+
+    p = sub.add_parser("sweep", help="run the sweep(add) points of an experiment")
+    _add_spec(p)
+
+    p = sub.add_parser("plan", help="parameter/FLOP/memory plan of a model (eval_shape only)")
+    _add_spec(p)
+    p.add_argument("--devices", type=_positive_int, default=None, help="number of devices")
+
+    p = sub.add_parser("bench", help="run benchmarks/<name>.py with this Python")
+    p.add_argument("name", help="benchmark script name, e.g. rollout")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the script")
+
+    p = sub.add_parser("report", help="summary table and PNG plots of a run's metrics")
+    p.add_argument("run_dir")
+    p.add_argument("--no-plots", action="store_true", help="print the table only")
+    return parser
+
+
+def _load_impl(command: str):
+    module_name = COMMANDS[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        # Only a missing target (or its package) means "not available yet"; a missing third-party
+        # dependency inside an existing module is a real error and keeps its traceback.
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise CommandError(
+                f"'{PROG} {command}' is not available yet: module {module_name} does not exist"
+            ) from None
+        raise
+    fn = getattr(module, "run_from_cli", None)
+    if fn is None:
+        raise CommandError(
+            f"'{PROG} {command}' is not available yet: {module_name} has no run_from_cli(args)"
+        )
+    return fn
+
+
+def find_benchmark(name: str) -> str:
+    """Path of ``benchmarks/<name>.py`` (current directory first, then the source checkout).
+
+    Raises:
+      CommandError: no such script (message lists the available ones).
+    """
+    stem = name[:-3] if name.endswith(".py") else name
+    if not stem or os.sep in stem:
+        raise CommandError(f"benchmark name {name!r} must be a plain script name, e.g. rollout")
+    dirs = [os.path.join(os.getcwd(), "benchmarks"), os.path.join(_REPO_ROOT, "benchmarks")]
+    for d in dirs:
+        path = os.path.join(d, stem + ".py")
+        if os.path.isfile(path):
+            return path
+    known = sorted(
+        {f[:-3] for d in dirs if os.path.isdir(d) for f in os.listdir(d) if f.endswith(".py")}
+    )
+    raise CommandError(f"no benchmark {stem!r}; available: {', '.join(known) or 'none'}")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    path = find_benchmark(args.name)
+    rest = list(args.bench_args)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    return subprocess.call([sys.executable, path, *rest])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parses ``argv`` (default ``sys.argv[1:]``), runs the subcommand, returns the exit code.
+
+    Raises:
+      SystemExit: from argparse on usage errors (code 2), ``--help`` and ``--version`` (0).
+    """
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    try:
+        if args.command == "bench":
+            return _run_bench(args)
+        rc = _load_impl(args.command)(args)
+    except (CommandError, ValueError) as e:
+        if debug and not isinstance(e, CommandError):
+            raise
+        message = " ".join(str(e).split())  # one line, whatever the exception text holds
+        print(f"{PROG} {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0 if rc is None else int(rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
