@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``agentrl`` argument parser (subcommand in ``args.command``)."""
     from agentrl_jax import __version__
 
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="agentic RL of LLMs: train, eval, sweep, plan, bench, report"
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -181,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug and not isinstance(e, CommandError):
             raise
         message = " ".join(str(e).split())  # one line, whatever the exception text holds
-        print(f"{PROG} {args.command}: error: {message}", file=sys.stderr)
+        where = PROG if isinstance(e, CommandError) else f"{PROG} {args.command}"
+        print(f"{where}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)

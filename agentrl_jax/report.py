@@ -70,7 +70,9 @@ def load_series(run_dir: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.nd
 
     Returns:
       ``{metric: (steps int64[n], values float64[n])}`` in file order; non-finite values logged
-      as ``"nan"``/``"inf"`` come back as floats. Non-numeric values are left out.
+      as ``"nan"``/``"inf"`` come back as floats. Non-numeric values are left out. Steps are
+      increasing: when a step is logged again (a run resumed from an earlier checkpoint
+      appends to the same file), the later entries replace the earlier ones from that step on.
 
     Raises:
       ValueError: ``run_dir`` does not exist or holds no ``metrics.jsonl``, or a malformed line.
@@ -88,8 +90,13 @@ def load_series(run_dir: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.nd
             x = to_float(value)
             if x is None:
                 continue
-            steps.setdefault(key, []).append(step)
-            values.setdefault(key, []).append(x)
+            s, v = steps.setdefault(key, []), values.setdefault(key, [])
+            # A resumed run re-logs the steps after its last checkpoint: the later write wins.
+            while s and s[-1] >= step:
+                s.pop()
+                v.pop()
+            s.append(step)
+            v.append(x)
     return {k: (np.asarray(steps[k], np.int64), np.asarray(values[k], np.float64)) for k in steps}
 
 
@@ -152,8 +159,13 @@ def _figure(n_panels: int):
 
     ncols = min(n_panels, _PANELS_PER_ROW)
     nrows = math.ceil(n_panels / ncols)
-    fig = Figure(figsize=(4.2 * ncols, 3.0 * nrows), layout="constrained")
+    height = 3.0 * nrows + 0.4
+    fig = Figure(figsize=(4.2 * ncols, height))
     FigureCanvasAgg(fig)
+    # Fixed margins: matplotlib's constrained/tight layouts double the rendering time.
+    fig.subplots_adjust(
+        left=0.08, right=0.97, bottom=0.55 / height, top=1 - 0.55 / height, wspace=0.3, hspace=0.5
+    )
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax in axes[n_panels:]:
         ax.set_visible(False)

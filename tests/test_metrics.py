@@ -266,3 +266,16 @@ def test_metric_groups():
     assert report.metric_group("train/skipped_steps") == "stability"
     assert report.metric_group("eval/goal_adherence") == "reward"
     assert report.metric_group("lr") == "other"
+
+
+def test_load_series_resumed_run_later_writes_win(tmp_path):
+    with metrics.MetricsWriter(tmp_path, tensorboard=False) as w:
+        for step in range(5):
+            w.write(step, {"loss": float(step)})
+    # Resumed from a checkpoint at step 2: steps 3 and 4 are logged again with new values.
+    with metrics.MetricsWriter(tmp_path, tensorboard=False) as w:
+        for step in range(3, 6):
+            w.write(step, {"loss": 10.0 + step})
+    steps, values = report.load_series(tmp_path)["loss"]
+    assert steps.tolist() == [0, 1, 2, 3, 4, 5]
+    assert values.tolist() == [0.0, 1.0, 2.0, 13.0, 14.0, 15.0]
