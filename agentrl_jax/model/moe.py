@@ -1,0 +1,368 @@
+"""Feed-forward layers: dense SwiGLU ``MLP`` and the routed mixture of experts ``MoE``.
+
+Einsum legend:
+  B batch, T time, D model dim, F hidden (expert / mlp) dim, E experts, C expert capacity,
+  N tokens (B*T), K experts per token.
+
+Routing: router logits ``x @ W_r`` in ``policy.router`` dtype (fp32 by default, HIGHEST matmul
+precision so no TF32 on GPUs), softmax, probabilities clamped to ``[1e-6, 1]``, top-k
+(ties go to the lower expert index, ``lax.top_k``), the k gates renormalised to sum to one.
+Routing replay (``replay_routes``) forces the experts; the gates are then the router
+probabilities gathered at the replayed experts and renormalised, so the router still gets
+gradients through them.
+
+Dispatch computes only routed (token, expert) pairs: the N*K pairs are ordered slot-major (every
+token's first choice before any second choice, then token order), stably sorted by expert, and
+a pair's position inside its expert decides whether it fits the capacity
+``C = cfg.capacity(tokens per shard)`` (``capacity_factor == 0``: dropless, ``C`` = tokens per
+shard). Kept pairs are gathered into ``[E, C, D]`` buffers, each expert runs one batched SwiGLU
+over its ``C`` rows, and the outputs are gathered back and summed with the gates. Dropped pairs
+and padding rows (``valid == False``) contribute zero routed output and take no capacity.
+
+Expert parallelism: the mesh is the module's ``mesh`` attribute, or else the ambient one
+(``jax.set_mesh`` / ``agentrl_jax.sharding.activate``). When its ``expert`` axis has size > 1 the
+dispatch runs inside ``jax.shard_map``: tokens are split over the batch axes ``data, fsdp,
+expert``, experts over ``expert`` and the expert hidden dim over ``tensor`` (partial down
+projections are summed with ``psum``); ``all_to_all`` over ``expert`` sends each expert its
+``[C, D]`` rows from every shard and brings the outputs back. Capacity is per token shard, so
+with a finite capacity factor which pairs drop depends on the shard count; dropless results
+equal the one-device results up to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from jax.sharding import PartitionSpec as P
+
+from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.precision import DTypePolicy
+
+PROB_MIN = 1e-6
+TOKEN_AXES = ("data", "fsdp", "expert")  # mesh axes tokens are split over inside the dispatch
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _init(std: float, names: tuple):
+    return nn.with_logical_partitioning(nn.initializers.normal(stddev=std), names)
+
+
+def _expert_einsum(policy: DTypePolicy, subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``policy.einsum`` for batched per-expert matmuls.
+
+    XLA:CPU has no DotThunk for low-precision inputs with a wider accumulator in some batched
+    dots, so on CPU the inputs are rounded to the compute dtype first and multiplied in the
+    accumulation dtype: the same numbers, a kernel every backend has.
+    """
+    if jax.default_backend() != "cpu" or policy.compute == policy.accum:
+        return policy.einsum(subscripts, x, w)
+    if not policy.fp8_matmul:  # fp8 quantises from the original values; rounding first would differ
+        x, w = x.astype(policy.compute), w.astype(policy.compute)
+    wide = policy.replace(compute_dtype=policy.accum_dtype)
+    return wide.einsum(subscripts, x, w).astype(policy.compute)
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU feed-forward ``D -> cfg.d_ff -> D`` (used when ``cfg.n_experts == 0``).
+
+    ``__call__(x [B, T, D] compute dtype) -> [B, T, D]`` compute dtype.
+    """
+
+    cfg: ModelConfig
+    policy: DTypePolicy
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg, pol = self.cfg, self.policy
+        if x.ndim != 3 or x.shape[-1] != cfg.d_model:
+            raise ValueError(f"MLP input x.shape={x.shape} must be [B, T, d_model={cfg.d_model}]")
+        std_out = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        w_gate = self.param("w_gate", _init(cfg.init_std, ("embed", "mlp")), (cfg.d_model, cfg.d_ff), pol.param)
+        w_up = self.param("w_up", _init(cfg.init_std, ("embed", "mlp")), (cfg.d_model, cfg.d_ff), pol.param)
+        w_down = self.param("w_down", _init(std_out, ("mlp", "embed")), (cfg.d_ff, cfg.d_model), pol.param)
+        h = nn.silu(pol.einsum("BTD,DF->BTF", x, w_gate)) * pol.einsum("BTD,DF->BTF", x, w_up)
+        return pol.einsum("BTF,FD->BTD", h, w_down)
+
+
+def route(
+    logits: jax.Array, k: int, replay_routes: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Router probabilities, top-k experts and renormalised gates.
+
+    Args:
+      logits: [..., E] router logits (their dtype is kept).
+      k: experts per token.
+      replay_routes: optional int [..., k] experts to use instead of the top-k (routing replay).
+        Indices must lie in [0, E); out-of-range indices give NaN gates.
+
+    Returns:
+      probs [..., E] softmax clamped to [1e-6, 1]; routes int32 [..., k] (descending
+      probability, ties to the lower index); gates [..., k] summing to one.
+    """
+    probs = jnp.clip(jax.nn.softmax(logits, axis=-1), PROB_MIN, 1.0)
+    if replay_routes is None:
+        top, routes = jax.lax.top_k(probs, k)
+    else:
+        routes = replay_routes
+        top = jnp.take_along_axis(probs, routes, axis=-1, mode="fill", fill_value=jnp.nan)
+    gates = top / jnp.sum(top, axis=-1, keepdims=True)
+    return probs, routes.astype(jnp.int32), gates
+
+
+def load_balance_loss(
+    probs: jax.Array, routes: jax.Array, valid: jax.Array, n_experts: int
+) -> jax.Array:
+    """Switch-style balance loss ``E * sum_e f_e * P_e`` over valid tokens (1.0 when uniform).
+
+    Args:
+      probs: [N, E] router probabilities.
+      routes: int [N, K] chosen experts; ``f_e`` is the share of valid (token, slot) pairs sent to e.
+      valid: bool [N].
+      n_experts: E.
+
+    Returns:
+      scalar float32; gradients flow through ``P_e`` (mean router probability) only.
+    """
+    m = valid.astype(jnp.float32)
+    n_valid = jnp.maximum(jnp.sum(m), 1.0)
+    k = routes.shape[-1]
+    counts = jnp.zeros((n_experts,), jnp.float32).at[routes].add(jnp.broadcast_to(m[:, None], routes.shape))
+    frac = counts / (n_valid * k)
+    mean_prob = jnp.sum(probs.astype(jnp.float32) * m[:, None], axis=0) / n_valid
+    return n_experts * jnp.sum(frac * mean_prob)
+
+
+def _expert_ffn(buf, w_gate, w_up, w_down, policy, tensor_axis):
+    """SwiGLU per expert on ``buf [E, C, D]``; partial sums over a split F are psum-ed."""
+    h = nn.silu(_expert_einsum(policy, "ECD,EDF->ECF", buf, w_gate))
+    h = h * _expert_einsum(policy, "ECD,EDF->ECF", buf, w_up)
+    out = _expert_einsum(policy, "ECF,EFD->ECD", h, w_down)
+    if tensor_axis is not None:
+        out = jax.lax.psum(out.astype(policy.accum), tensor_axis).astype(policy.compute)
+    return out
+
+
+def dispatch_combine(
+    x, routes, gates, valid, w_gate, w_up, w_down, *, capacity, policy, expert_axis=None,
+    tensor_axis=None,
+):
+    """Routed expert outputs for one token shard (called directly or inside ``shard_map``).
+
+    Args:
+      x: [N, D] tokens (compute dtype). routes: int [N, K]. gates: [N, K]. valid: bool [N].
+      w_gate, w_up: [E_local, D, F_local]; w_down: [E_local, F_local, D].
+      capacity: C, rows per expert from this shard.
+      policy: dtype policy.
+      expert_axis: mesh axis experts are split over (None: all experts local).
+      tensor_axis: mesh axis F is split over (None: F local).
+
+    Returns:
+      y [N, D] compute dtype (sum over kept pairs of gate * expert output), keep bool [N, K].
+    """
+    n, d = x.shape
+    k = routes.shape[1]
+    n_shards = 1 if expert_axis is None else jax.lax.axis_size(expert_axis)
+    n_exp = w_gate.shape[0] * n_shards
+    cap = capacity
+    # Pairs in slot-major order; padding rows get the sentinel expert n_exp (sorted last).
+    expert = jnp.where(valid[None, :], routes.T, n_exp).reshape(-1)  # [K*N]
+    order = jnp.argsort(expert, stable=True)
+    counts = jnp.bincount(expert, length=n_exp + 1)
+    starts = jnp.cumsum(counts) - counts
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(k * n, dtype=order.dtype))
+    pos = rank - starts[expert]
+    keep = (expert < n_exp) & (pos < cap)
+    slot = jnp.where(keep, expert * cap + pos, n_exp * cap)  # n_exp*cap: "nowhere"
+    token = jnp.tile(jnp.arange(n), k)
+    src = jnp.full((n_exp * cap,), n).at[slot].set(token, mode="drop")  # n: the zero row
+    x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)], axis=0)
+    buf = x_pad[src].reshape(n_exp, cap, d)
+    if expert_axis is not None:  # [E, C, D] -> [E_local, shards*C, D]
+        buf = jax.lax.all_to_all(buf, expert_axis, 0, 1, tiled=True)
+    out = _expert_ffn(buf, w_gate, w_up, w_down, policy, tensor_axis)
+    if expert_axis is not None:  # back to [E, C, D] for this shard's tokens
+        out = jax.lax.all_to_all(out, expert_axis, 1, 0, tiled=True)
+    out = jnp.concatenate([out.reshape(n_exp * cap, d), jnp.zeros((1, d), out.dtype)], axis=0)
+    pair_out = out[slot].astype(policy.accum)  # [K*N, D]; dropped pairs read the zero row
+    w = (gates.T.reshape(-1) * keep).astype(policy.accum)
+    y = jnp.sum((pair_out * w[:, None]).reshape(k, n, d), axis=0)
+    return y.astype(policy.compute), keep.reshape(k, n).T
+
+
+def _ambient_mesh():
+    """The mesh set by ``jax.set_mesh`` or, failing that, a legacy ``with mesh:`` block."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        return mesh
+    try:  # ``with mesh:`` (agentrl_jax.sharding.activate on jax 0.10) only sets this
+        from jax._src import mesh as mesh_lib
+
+        legacy = mesh_lib.thread_resources.env.physical_mesh
+    except (ImportError, AttributeError):
+        return None
+    return None if legacy.empty else legacy
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts plus optional always-on shared experts.
+
+    Attributes:
+      cfg: model config (``n_experts > 0``).
+      policy: dtype policy.
+      mesh: mesh for expert parallelism; None uses the ambient mesh (if any). Experts are
+        dispatched with ``shard_map``/``all_to_all`` when its ``expert`` axis is > 1.
+    """
+
+    cfg: ModelConfig
+    policy: DTypePolicy
+    mesh: jax.sharding.Mesh | None = None
+
+    @nn.compact
+    def __call__(
+        self, x: jax.Array, *, valid: jax.Array | None = None, replay_routes: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """Applies the layer.
+
+        Args:
+          x: [B, T, D] compute dtype.
+          valid: optional bool [B, T]; False rows (padding) take no capacity, get no routed
+            output and are left out of the auxiliary losses.
+          replay_routes: optional int [B, T, K] experts to use (routing replay).
+
+        Returns:
+          y [B, T, D] compute dtype; routes int32 [B, T, K]; aux dict of float32 scalars
+          ``load_balance_loss``, ``z_loss``, ``aux_loss`` (weighted sum) and
+          ``dropped_fraction`` (share of valid pairs over capacity).
+
+        Raises:
+          ValueError: ``cfg.n_experts == 0``, or a shape that does not match the config / mesh.
+        """
+        cfg, pol = self.cfg, self.policy
+        e, k, dm, f = cfg.n_experts, cfg.experts_per_token, cfg.d_model, cfg.d_expert
+        if e == 0:
+            raise ValueError("MoE needs ModelConfig.n_experts >= 1 (use MLP when it is 0)")
+        if x.ndim != 3 or x.shape[-1] != dm:
+            raise ValueError(f"MoE input x.shape={x.shape} must be [B, T, d_model={dm}]")
+        b, t, _ = x.shape
+        if valid is not None and valid.shape != (b, t):
+            raise ValueError(f"MoE valid.shape={valid.shape} must be {(b, t)}")
+        if replay_routes is not None and replay_routes.shape != (b, t, k):
+            raise ValueError(f"MoE replay_routes.shape={replay_routes.shape} must be {(b, t, k)}")
+        mesh = self.mesh if self.mesh is not None else _ambient_mesh()
+        sizes = dict(mesh.shape) if mesh is not None else {}
+        ep = sizes.get("expert", 1) > 1
+        token_axes = tuple(a for a in TOKEN_AXES if a in sizes) if ep else ()
+        n_token_shards = int(np.prod([sizes[a] for a in token_axes])) if ep else 1
+        if ep and e % sizes["expert"]:
+            raise ValueError(f"ModelConfig.n_experts={e} must be a multiple of mesh expert={sizes['expert']}")
+        if (b * t) % n_token_shards:
+            raise ValueError(f"MoE tokens B*T={b * t} must be a multiple of {n_token_shards} (mesh {token_axes})")
+        tp = ep and sizes.get("tensor", 1) > 1
+        if tp and f % sizes["tensor"]:
+            raise ValueError(f"ModelConfig.d_expert={f} must be a multiple of mesh tensor={sizes['tensor']}")
+
+        std_out = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        w_router = self.param("router", _init(cfg.init_std, ("embed", None)), (dm, e), pol.param)
+        w_gate = self.param("w_gate", _init(cfg.init_std, ("expert", "embed", "expert_mlp")), (e, dm, f), pol.param)
+        w_up = self.param("w_up", _init(cfg.init_std, ("expert", "embed", "expert_mlp")), (e, dm, f), pol.param)
+        w_down = self.param("w_down", _init(std_out, ("expert", "expert_mlp", "embed")), (e, f, dm), pol.param)
+
+        n = b * t
+        xf = x.reshape(n, dm)
+        vf = jnp.ones((n,), bool) if valid is None else valid.reshape(n).astype(bool)
+        logits = jnp.einsum(
+            "ND,DE->NE", xf.astype(pol.router), w_router.astype(pol.router),
+            precision=_HIGHEST, preferred_element_type=pol.router,
+        )
+        replay = None if replay_routes is None else replay_routes.reshape(n, k)
+        probs, routes, gates = route(logits, k, replay)
+
+        cap = cfg.capacity(n // n_token_shards)
+        if ep:
+            tok, ex = P(token_axes), P(token_axes, None)
+            fax = "tensor" if tp else None
+            fn = jax.shard_map(
+                lambda *a: dispatch_combine(*a, capacity=cap, policy=pol, expert_axis="expert",
+                                            tensor_axis=fax),
+                mesh=mesh,
+                in_specs=(ex, ex, ex, tok, P("expert", None, fax), P("expert", None, fax),
+                          P("expert", fax, None)),
+                out_specs=(ex, ex),
+            )
+            y, keep = fn(xf.astype(pol.compute), routes, gates, vf, w_gate, w_up, w_down)
+        else:
+            y, keep = dispatch_combine(xf.astype(pol.compute), routes, gates, vf, w_gate, w_up,
+                                       w_down, capacity=cap, policy=pol)
+        y = y.reshape(b, t, dm)
+
+        if cfg.n_shared_experts:
+            fs = cfg.n_shared_experts * f
+            s_gate = self.param("shared_gate", _init(cfg.init_std, ("embed", "mlp")), (dm, fs), pol.param)
+            s_up = self.param("shared_up", _init(cfg.init_std, ("embed", "mlp")), (dm, fs), pol.param)
+            s_down = self.param("shared_down", _init(std_out, ("mlp", "embed")), (fs, dm), pol.param)
+            xc = x.astype(pol.compute)
+            h = nn.silu(pol.einsum("BTD,DF->BTF", xc, s_gate)) * pol.einsum("BTD,DF->BTF", xc, s_up)
+            y = (y.astype(pol.accum) + pol.einsum("BTF,FD->BTD", h, s_down).astype(pol.accum)).astype(pol.compute)
+
+        m = vf.astype(jnp.float32)
+        n_valid = jnp.maximum(jnp.sum(m), 1.0)
+        lb = load_balance_loss(probs, routes, vf, e)
+        z = jnp.sum(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2 * m) / n_valid
+        dropped = jnp.sum((1.0 - keep.astype(jnp.float32)) * m[:, None]) / (n_valid * k)
+        aux = {
+            "load_balance_loss": lb,
+            "z_loss": z,
+            "aux_loss": cfg.router_aux_weight * lb + cfg.router_z_weight * z,
+            "dropped_fraction": dropped,
+        }
+        return y, routes.reshape(b, t, k), aux
+
+
+def moe_reference(params, x, cfg: ModelConfig, *, valid=None, replay_routes=None, keep=None):
+    """Dense pure-jnp MoE in float32 (every expert on every token), for tests.
+
+    Args:
+      params: the MoE's params dict (unboxed).
+      x: [B, T, D]. valid: unused for outputs except that invalid rows get no routed output.
+      replay_routes: optional int [B, T, K]. keep: optional bool [B, T, K] mask of kept pairs
+        (default: all kept, i.e. dropless).
+
+    Returns:
+      y [B, T, D] float32, routes int32 [B, T, K].
+    """
+    hi = _HIGHEST
+    x = x.astype(jnp.float32)
+    logits = jnp.einsum("BTD,DE->BTE", x, params["router"].astype(jnp.float32), precision=hi)
+    probs = jnp.clip(jnp.exp(logits - jax.nn.logsumexp(logits, -1, keepdims=True)), PROB_MIN, 1.0)
+    k = cfg.experts_per_token
+    routes = jnp.argsort(-probs, axis=-1, stable=True)[..., :k] if replay_routes is None else replay_routes
+    top = jnp.take_along_axis(probs, routes, axis=-1)
+    gates = top / jnp.sum(top, -1, keepdims=True)
+    if keep is not None:
+        gates = gates * keep
+    if valid is not None:
+        gates = gates * valid[..., None]
+    y = jnp.zeros_like(x)
+    for ex in range(cfg.n_experts):
+        g = jnp.einsum("BTD,DF->BTF", x, params["w_gate"][ex], precision=hi)
+        u = jnp.einsum("BTD,DF->BTF", x, params["w_up"][ex], precision=hi)
+        o = jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, params["w_down"][ex], precision=hi)
+        y = y + jnp.sum(gates * (routes == ex), -1)[..., None] * o
+    if cfg.n_shared_experts:
+        g = jnp.einsum("BTD,DF->BTF", x, params["shared_gate"], precision=hi)
+        u = jnp.einsum("BTD,DF->BTF", x, params["shared_up"], precision=hi)
+        y = y + jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, params["shared_down"], precision=hi)
+    return y, routes.astype(jnp.int32)
+
+
+def mlp_reference(params, x):
+    """Dense SwiGLU in float32 for tests: ``(silu(x Wg) * x Wu) Wd``."""
+    hi = _HIGHEST
+    x = x.astype(jnp.float32)
+    g = jnp.einsum("BTD,DF->BTF", x, params["w_gate"], precision=hi)
+    u = jnp.einsum("BTD,DF->BTF", x, params["w_up"], precision=hi)
+    return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, params["w_down"], precision=hi)
