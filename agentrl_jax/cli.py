@@ -113,6 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses ``argv``; ``--set`` values are in ``args.overrides`` and, as an alias, ``args.set``.
+
+    Raises:
+      SystemExit: usage errors (code 2), ``--help`` / ``--version`` (code 0).
+    """
+    args = build_parser().parse_args(argv)
+    if hasattr(args, "overrides"):
+        args.set = args.overrides
+    return args
+
+
 def _load_impl(command: str):
     module_name = COMMANDS[command]
     try:
@@ -167,13 +179,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     Raises:
       SystemExit: from argparse on usage errors (code 2), ``--help`` and ``--version`` (0).
     """
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
+    level = getattr(logging, args.log_level)
+    # Other libraries (jax, absl, orbax) stay at WARNING unless DEBUG is asked for.
     logging.basicConfig(
-        level=getattr(logging, args.log_level),
+        level=logging.DEBUG if level == logging.DEBUG else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
+    logging.getLogger("agentrl_jax").setLevel(level)
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         if args.command == "bench":

@@ -35,6 +35,8 @@ def test_parses_every_subcommand():
     assert (a.spec, a.devices, a.overrides) == ("experiments/m.py", 256, [])
     a = p.parse_args(["bench", "rollout", "--fast", "-n", "3"])
     assert (a.name, a.bench_args) == ("rollout", ["--fast", "-n", "3"])
+    a = cli.parse_args(["plan", "m.py", "--set", "model.n_layers=8"])
+    assert a.overrides == a.set == ["model.n_layers=8"]
     a = p.parse_args(["report", "runs/r", "--no-plots"])
     assert (a.run_dir, a.no_plots) == ("runs/r", True)
 
