@@ -97,6 +97,11 @@ class DataConfig:
     shuffle_seed: int = 0
 
     def __post_init__(self):
+        # Sequences from ml_collections / JSON arrive as lists: store tuples (hashable, frozen).
+        for name in ("difficulties", "bug_types", "heldout_combo", "train_seeds", "heldout_seeds"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
         in_band(0.5, self.band_low, self.band_high)  # validates the band
         for name in ("k_samples", "group_size", "batch_size", "max_draws_per_task"):
             if getattr(self, name) < 1:

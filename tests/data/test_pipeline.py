@@ -56,6 +56,14 @@ def test_config_rejects_bad_values(kwargs, match):
         DataConfig(**kwargs)
 
 
+def test_config_accepts_lists_and_is_hashable():
+    cfg = DataConfig(difficulties=[1, 2], bug_types=["logic", "syntax"], heldout_combo=None)
+    assert cfg.difficulties == (1, 2) and cfg.bug_types == ("logic", "syntax")
+    assert hash(cfg) == hash(
+        DataConfig(difficulties=(1, 2), bug_types=("logic", "syntax"), heldout_combo=None)
+    )
+
+
 def test_deterministic_per_seed_and_split_ranges():
     a = TaskPipeline(DataConfig(**SMALL)).next_batch(24)
     b = TaskPipeline(DataConfig(**SMALL)).next_batch(24)
@@ -198,3 +206,39 @@ def test_grain_transforms():
     assert [t["bucket"] for t in tagged] == [bucket_key(s) for s in specs[:2]]
     with pytest.raises(ValueError, match="atol"):
         transforms.InformativeGroup(atol=-1.0)
+
+
+def test_state_saves_and_restores_with_orbax(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    cfg = DataConfig(**SMALL)
+    p = TaskPipeline(cfg)
+    p.collect(fake_rollout({1: 0.9, 2: 0.5, 3: 0.15}))
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        mngr.save(3, args=ocp.args.Composite(data=ocp.args.JsonSave(p.state())))
+        mngr.wait_until_finished()
+        restored = mngr.restore(3, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
+    q = TaskPipeline(cfg)
+    q.restore(restored["data"])
+    assert _keys(q.next_batch(12)) == _keys(p.next_batch(12))
+    assert q.tracker == p.tracker
+
+
+def test_forced_draws_when_nothing_is_in_band_and_per_task_tracking():
+    cfg = DataConfig(**SMALL, out_of_band_prob=0.0, max_draws_per_task=3, difficulties=(1,))
+    p = TaskPipeline(cfg)
+    for t in BUGS:
+        p.tracker = update_tracker(p.tracker, f"d1/{t}", [0.0] * 4)
+    items = p.next_batch(5)
+    assert len(items) == 5
+    s = p.stats()
+    assert s["data/forced"] == 5 and s["data/rejected"] == 15 and s["data/accepted"] == 0
+    # per-task keys: a tiny pool revisits tasks, and a solved task stops being drawn
+    small = {**SMALL, "train_seeds": (0, 2), "difficulties": (1,), "out_of_band_prob": 0.0}
+    cfg = DataConfig(**small, track_by="task", balance_bug_types=False)
+    p = TaskPipeline(cfg)
+    pool = p.next_batch(8)
+    assert len(set(_keys(pool))) == 8  # 2 seeds x 4 bug types, one epoch
+    solved = pool[0]
+    p.update([{"spec": solved, "rewards": [1.0] * 4}])
+    assert f"train/s{solved['seed']}/d1/" in next(iter(p.tracker.counts))
+    assert _keys([solved])[0] not in _keys(p.next_batch(40))
