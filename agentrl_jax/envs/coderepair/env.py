@@ -1,0 +1,153 @@
+"""``CodeRepairEnv``: the token-level code-repair environment.
+
+Token stream of an episode (everything is one flat id sequence):
+
+    <bos> <obs> task : ... rule : ... <nl> program : <nl> L0 def ... </obs>      reset()
+    <call> run </call>                                                          model turn 1
+    <obs> pass 1 of 4 <nl> fail T2 ... <nl> L5 x = a * 4 => 16 ... </obs>       step() obs
+    <call> sub L5 * + </call>                                                   model turn 2
+    <obs> ok L5 x = a + 4 </obs>
+    ...
+    <call> submit </call>
+    <obs> submitted pass </obs> <eos>                                           last obs
+
+A model turn is the tokens from ``<call>`` to ``</call>`` (the sampler stops there, or at
+``<eot>``/``<eos>``). Anything else (no ``<call>``, unknown tool, bad arguments, a failing
+tool) is answered by an ``error ...`` observation and costs the turn.
+
+Process signals (``StepResult.process``), non-zero only after a call that changed the program,
+relative to the program before it:
+  * ``parse``: +1 the code parses again, -1 it stopped parsing;
+  * ``error_classes``: error classes (``syntax`` or a runtime fault kind) removed minus added;
+  * ``tests``: change in the fraction of visible tests passing.
+The outcome reward (final step only) is 1.0 iff every test, hidden ones included, passes at
+``submit`` and the rule is kept. ``log["goal_adhered"]`` is set on the final step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from agentrl_jax.envs.base import StepResult, ToolRegistry, call_tool
+from agentrl_jax.envs.coderepair.evaluation import Evaluation, evaluate
+from agentrl_jax.envs.coderepair.task import Task
+from agentrl_jax.envs.coderepair.tokenizer import CodeTokenizer
+from agentrl_jax.envs.coderepair.tools import RepairState, constraint_kept, default_registry
+
+PROCESS_KEYS = ("parse", "error_classes", "tests")
+
+
+def _zero_process() -> dict[str, float]:
+    return dict.fromkeys(PROCESS_KEYS, 0.0)
+
+
+def process_signals(before: Evaluation, after: Evaluation, n_visible: int) -> dict[str, float]:
+    """Milestone signals between two evaluations of the visible tests (see module docstring)."""
+    removed = len(before.error_classes - after.error_classes)
+    added = len(after.error_classes - before.error_classes)
+    return {
+        "parse": float(after.parses) - float(before.parses),
+        "error_classes": float(removed - added),
+        "tests": (after.n_pass - before.n_pass) / max(n_visible, 1),
+    }
+
+
+class CodeRepairEnv:
+    """Multi-turn code repair over token ids. Implements ``envs.base.Env``.
+
+    Args:
+      tokenizer: shared tokenizer (default ``CodeTokenizer()``).
+      registry: tools (default: run, view, edit, sub, submit).
+    """
+
+    def __init__(
+        self, tokenizer: CodeTokenizer | None = None, registry: ToolRegistry | None = None
+    ):
+        self.tokenizer = tokenizer or CodeTokenizer()
+        self.registry = registry or default_registry()
+        self.state: RepairState | None = None
+        self.turn = 0
+        self.done = True
+        self._eval: Evaluation | None = None
+
+    def reset(self, task: Task) -> list[int]:
+        """Starts ``task``; returns ``<bos> <obs> prompt </obs>`` ids."""
+        self.state = RepairState(task=task, lines=list(task.lines))
+        self.turn = 0
+        self.done = False
+        self._eval = self._evaluate_visible()
+        return [self.tokenizer.bos_id, *self.observation(task.prompt)]
+
+    def observation(self, text: str) -> list[int]:
+        """``<obs> text </obs>`` as ids."""
+        tok = self.tokenizer
+        return [tok.obs_start_id, *tok.encode(text), tok.obs_end_id]
+
+    def _evaluate_visible(self) -> Evaluation:
+        st = self.state
+        deadline = time.monotonic() + st.task.config.time_limit_s
+        return evaluate(st.lines, st.task.visible_tests, st.task.config.step_budget, deadline)
+
+    def parse_action(self, action_tokens: Sequence[int]) -> list[str] | None:
+        """Words of the tool call in a model turn, or ``None`` without ``<call>``."""
+        words = self.tokenizer.to_words(action_tokens)
+        if "<call>" not in words:
+            return None
+        words = words[words.index("<call>") + 1 :]
+        for stop in ("</call>", "<eot>", "<eos>"):
+            if stop in words:
+                words = words[: words.index(stop)]
+        return words
+
+    def step(self, action_tokens: Sequence[int]) -> tuple[list[int], StepResult]:
+        """Applies one model turn.
+
+        Args:
+          action_tokens: ids of the model turn (``<call> tool args </call>``).
+
+        Returns:
+          ``(observation ids, StepResult)``; the last observation of an episode ends with
+          ``<eos>``.
+
+        Raises:
+          RuntimeError: if called before ``reset`` or after the episode ended.
+        """
+        if self.state is None or self.done:
+            raise RuntimeError("step() needs reset() first and a running episode")
+        st, cfg = self.state, self.state.task.config
+        self.turn += 1
+        process = _zero_process()
+        try:
+            words = self.parse_action(action_tokens)
+        except ValueError as e:
+            words, bad_ids = None, str(e)
+        else:
+            bad_ids = ""
+        if words is None:
+            text = "error bad call" if bad_ids else "error no tool call"
+            log = {"tool": "", "args": (), "output": text, "error": True}
+        else:
+            res = call_tool(self.registry, words, st, cfg.time_limit_s)
+            text = res.output
+            log = {"tool": res.name, "args": res.args, "output": text, "error": res.error}
+            if res.timed_out:
+                log["timeout"] = True
+            tool = self.registry.get(res.name)
+            if not res.error and tool is not None and tool.mutates:
+                after = self._evaluate_visible()
+                process = process_signals(self._eval, after, len(st.task.visible_tests))
+                self._eval = after
+        outcome = 0.0
+        if st.submitted or self.turn >= cfg.max_turns:
+            if not st.submitted:
+                text += "\nout of turns"
+                st.goal_adhered = constraint_kept(st.task, st.lines)
+            self.done = True
+            success = bool(st.submitted and st.final.all_pass and st.goal_adhered)
+            outcome = 1.0 if success else 0.0
+            log.update(success=success, goal_adhered=st.goal_adhered, turns=self.turn)
+        obs = self.observation(text)
+        if self.done:
+            obs.append(self.tokenizer.eos_id)
+        return obs, StepResult(done=self.done, outcome_reward=outcome, process=process, log=log)

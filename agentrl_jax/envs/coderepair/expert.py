@@ -1,0 +1,109 @@
+"""Scripted expert: solves a task through the tools, in the model's own token format.
+
+The expert reads the ground-truth bugs of the task (location and fix) but acts only through tool
+calls, so its demonstrations are token streams a model could have produced:
+
+    run -> [view F] -> fix bug 1 -> run -> [view F] -> fix bug 2 -> run -> ... -> submit
+
+Syntax bugs come first (nothing runs until the program parses), then the others by line. ``view``
+is used only when the prompt does not show the program. With ``detour_prob > 0`` a fix is
+sometimes preceded by a plausible wrong edit of the same line and a ``run`` that shows it did not
+help; the fix then rewrites the whole line (``edit Lk <original line>``).
+"""
+
+from __future__ import annotations
+
+import random
+
+from agentrl_jax.envs.coderepair.bugs import Bug
+from agentrl_jax.envs.coderepair.language import FUNCTION_NAMES, VARIABLES, function_spans
+from agentrl_jax.envs.coderepair.task import Task
+from agentrl_jax.envs.coderepair.tokenizer import CodeTokenizer
+
+_SWAPS = (("+", "-", "*"), ("<", "<=", ">", ">="), tuple(str(d) for d in range(1, 10)))
+
+
+def _wrong_line(rng: random.Random, bug: Bug) -> tuple[str, ...] | None:
+    """The buggy line with one more word changed to a same-kind word (a plausible bad fix)."""
+    words = list(bug.mutated)
+    options = []
+    for pos, w in enumerate(words):
+        if pos == 0:
+            continue
+        orig = bug.original[pos] if pos < len(bug.original) else None
+        for group in (*_SWAPS, VARIABLES, FUNCTION_NAMES):
+            choices = [g for g in group if g not in (w, orig)] if w in group else []
+            if choices:
+                options.append((pos, choices))
+    if options:
+        pos, choices = rng.choice(options)
+        words[pos] = rng.choice(choices)
+        return tuple(words)
+    return None
+
+
+def expert_plan(task: Task, *, detour_prob: float = 0.0, seed: int = 0) -> list[tuple[str, ...]]:
+    """The expert's tool calls (as word tuples) for ``task``.
+
+    Args:
+      task: the task (its ``bugs`` give locations and fixes).
+      detour_prob: probability of a wrong edit (then ``run``) before each fix, in ``[0, 1]``.
+      seed: randomness of the detours.
+
+    Raises:
+      ValueError: if ``detour_prob`` is outside ``[0, 1]``.
+    """
+    if not 0.0 <= detour_prob <= 1.0:
+        raise ValueError(f"detour_prob={detour_prob} must be in [0, 1]")
+    rng = random.Random(f"expert-{task.seed}-{task.difficulty}-{seed}")
+    spans = function_spans(task.lines)
+    viewed: set[str] = set()
+    plan: list[tuple[str, ...]] = [("run",)]
+    for bug in sorted(task.bugs, key=lambda b: (b.type != "syntax", b.line)):
+        if not task.config.show_program:
+            fn = next(f for f, (s, e) in spans.items() if s <= bug.line <= e)
+            if fn not in viewed:
+                viewed.add(fn)
+                plan.append(("view", fn))
+        fix = bug.fix
+        if detour_prob > 0 and rng.random() < detour_prob:
+            wrong = _wrong_line(rng, bug)
+            if wrong is not None:
+                plan.append(("edit", f"L{bug.line}", *wrong))
+                plan.append(("run",))
+                fix = ("edit", f"L{bug.line}", *bug.original)
+        plan.append(fix)
+        plan.append(("run",))
+    plan.append(("submit",))
+    return plan
+
+
+class ExpertPolicy:
+    """A policy callable (``stream -> action ids``) that replays ``expert_plan`` turn by turn.
+
+    Args:
+      task: the task to solve.
+      tokenizer: shared tokenizer.
+      detour_prob, seed: see ``expert_plan``.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        tokenizer: CodeTokenizer | None = None,
+        *,
+        detour_prob: float = 0.0,
+        seed: int = 0,
+    ):
+        self.tokenizer = tokenizer or CodeTokenizer()
+        self.plan = expert_plan(task, detour_prob=detour_prob, seed=seed)
+        self.turn = 0
+
+    def action_ids(self, words: tuple[str, ...]) -> list[int]:
+        """``<call> words </call>`` as ids."""
+        return self.tokenizer.encode_words(["<call>", *words, "</call>"])
+
+    def __call__(self, stream: list[int]) -> list[int]:
+        words = self.plan[min(self.turn, len(self.plan) - 1)]
+        self.turn += 1
+        return self.action_ids(words)
