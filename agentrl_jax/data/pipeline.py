@@ -62,8 +62,10 @@ class DataConfig:
       batch_size: tasks (groups) per batch.
       difficulties: difficulty levels drawn from.
       bug_types: the environment's bug-type names.
-      multi_bug_min_difficulty: first difficulty with two-bug tasks (None: never).
-      heldout_combo: bug-type combination kept out of train (None: none).
+      bugs_per_difficulty: bugs per task at each difficulty level (index = level); the defaults
+        mirror the code-repair environment's levels 0..4.
+      repeat_bug_types: a bug type may occur more than once in a task.
+      heldout_combo: combinations containing all these types are kept out of train (None: none).
       balance_bug_types: round-robin over bug-type combinations within and across batches.
       track_by: ``"bucket"`` ((difficulty, bug types)) or ``"task"`` (each task on its own).
       out_of_band_prob: acceptance probability of estimated out-of-band buckets (re-estimation).
@@ -81,10 +83,11 @@ class DataConfig:
     k_samples: int = 8
     group_size: int = 8
     batch_size: int = 16
-    difficulties: tuple[int, ...] = (1, 2, 3)
+    difficulties: tuple[int, ...] = (0, 1, 2, 3)
     bug_types: tuple[str, ...] = ("syntax", "logic", "off_by_one", "missing_dependency")
-    multi_bug_min_difficulty: int | None = 3
-    heldout_combo: tuple[str, ...] | None = ("logic", "missing_dependency")
+    bugs_per_difficulty: tuple[int, ...] = (1, 1, 2, 3, 4)
+    repeat_bug_types: bool = True
+    heldout_combo: tuple[str, ...] | None = ("missing_dependency", "off_by_one")
     balance_bug_types: bool = True
     track_by: str = "bucket"
     out_of_band_prob: float = 0.05
@@ -93,12 +96,19 @@ class DataConfig:
     max_draws_per_task: int = 32
     max_refill_rounds: int = 4
     train_seeds: tuple[int, int] = (0, 1_000_000)
-    heldout_seeds: tuple[int, int] = (1_000_000, 1_100_000)
+    heldout_seeds: tuple[int, int] = (1_000_000, 2_000_000)
     shuffle_seed: int = 0
 
     def __post_init__(self):
         # Sequences from ml_collections / JSON arrive as lists: store tuples (hashable, frozen).
-        for name in ("difficulties", "bug_types", "heldout_combo", "train_seeds", "heldout_seeds"):
+        for name in (
+            "difficulties",
+            "bug_types",
+            "bugs_per_difficulty",
+            "heldout_combo",
+            "train_seeds",
+            "heldout_seeds",
+        ):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, tuple(value))
@@ -123,13 +133,17 @@ class DataConfig:
         (a, b), (c, d) = self.train_seeds, self.heldout_seeds
         if a < d and c < b:
             raise ValueError(f"train_seeds={(a, b)} and heldout_seeds={(c, d)} must not overlap")
-        # bug_types / heldout_combo are validated by split_cells
-        split_cells(
-            "train",
+        self.cells("train")  # validates bug_types, bugs_per_difficulty, heldout_combo
+
+    def cells(self, split: str) -> tuple[tuple[int, tuple[str, ...]], ...]:
+        """The ``(difficulty, bug_types)`` cells of ``split`` under this config."""
+        return split_cells(
+            split,
             self.difficulties,
             self.bug_types,
-            multi_bug_min_difficulty=self.multi_bug_min_difficulty,
+            bugs_per_difficulty=self.bugs_per_difficulty,
             heldout_combo=self.heldout_combo,
+            repeat=self.repeat_bug_types,
         )
 
 
@@ -164,13 +178,7 @@ class TaskPipeline:
         """
         if split not in SPLITS:
             raise ValueError(f"split={split!r} must be one of {SPLITS}")
-        cells = split_cells(
-            split,
-            config.difficulties,
-            config.bug_types,
-            multi_bug_min_difficulty=config.multi_bug_min_difficulty,
-            heldout_combo=config.heldout_combo,
-        )
+        cells = config.cells(split)
         if not cells:
             raise ValueError(f"split={split!r} has no tasks at difficulties={config.difficulties}")
         self.config = config

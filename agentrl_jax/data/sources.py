@@ -9,10 +9,10 @@ The environment turns a spec into a task through a callable passed in by the cal
 `make_task_factory` and `transforms.MakeTask`), so nothing here imports an environment.
 
 Splits:
-- ``"train"``: the train seed range, every bug combination except the held-out one.
+- ``"train"``: the train seed range, every bug combination except held-out ones.
 - ``"heldout"``: the held-out seed range, the same bug combinations as train.
-- ``"heldout_combo"``: the held-out seed range, only the held-out combination of bug types
-  (a combination never seen in training).
+- ``"heldout_combo"``: the held-out seed range, only combinations containing every type of the
+  held-out combination (never seen in training).
 
 A source is a grid of *cells* ``(difficulty, bug_types)`` crossed with a seed range, indexed
 arithmetically (equal weight per difficulty, then per cell; see `TaskSpecSource`), so every task
@@ -40,49 +40,54 @@ def combo_name(bug_types: Sequence[str]) -> str:
     return "+".join(sorted(bug_types))
 
 
+def is_heldout(combo: Sequence[str], heldout_combo: Sequence[str] | None) -> bool:
+    """Whether a combination is held out for evaluation: it contains every held-out type."""
+    return bool(heldout_combo) and set(heldout_combo) <= set(combo)
+
+
 def bug_combos(
     bug_types: Sequence[str],
-    difficulty: int,
+    n_bugs: int,
     *,
-    multi_bug_min_difficulty: int | None,
     heldout_combo: Sequence[str] | None,
     split: str,
+    repeat: bool = True,
 ) -> tuple[tuple[str, ...], ...]:
-    """Bug-type combinations a split uses at one difficulty.
+    """Bug-type combinations of ``n_bugs`` bugs that a split uses.
 
-    Single bug types at every difficulty; unordered pairs of distinct types from
-    ``multi_bug_min_difficulty`` on (never if it is None). The held-out combination is removed from
-    ``train``/``heldout`` and is the only combination of ``heldout_combo``.
+    Combinations are sorted multisets (``repeat``: a type may occur several times, as when the
+    environment samples one type per bug) or sets. A combination containing every type of
+    ``heldout_combo`` is held out (`is_heldout`): removed from ``train``/``heldout``, and the only
+    kind ``heldout_combo`` uses.
 
     Args:
       bug_types: the environment's bug type names (distinct, non-empty).
-      difficulty: the difficulty level (>= 0).
-      multi_bug_min_difficulty: first difficulty with two-bug tasks, or None.
+      n_bugs: bugs per task (>= 1).
       heldout_combo: bug types of the held-out combination, or None.
       split: one of `SPLITS`.
+      repeat: allow a bug type more than once.
 
     Returns:
-      Sorted tuple of sorted bug-type tuples (possibly empty for ``heldout_combo`` at a difficulty
-      where the combination does not occur).
+      Sorted tuple of sorted bug-type tuples (possibly empty, e.g. ``heldout_combo`` with one bug).
 
     Raises:
-      ValueError: unknown split, empty/duplicate bug types, held-out types not in ``bug_types``.
+      ValueError: unknown split, empty/duplicate bug types, held-out types not in ``bug_types``,
+        ``n_bugs`` < 1 or (without ``repeat``) more than the number of types.
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {SPLITS}")
     if not bug_types or len(set(bug_types)) != len(bug_types):
         raise ValueError(f"bug_types={tuple(bug_types)} must be non-empty and distinct")
-    if difficulty < 0:
-        raise ValueError(f"difficulty={difficulty} must be >= 0")
-    held = tuple(sorted(heldout_combo)) if heldout_combo else None
-    if held is not None and not set(held) <= set(bug_types):
-        raise ValueError(f"heldout_combo={held} must be a subset of bug_types={tuple(bug_types)}")
-    combos = [(t,) for t in sorted(bug_types)]
-    if multi_bug_min_difficulty is not None and difficulty >= multi_bug_min_difficulty:
-        combos += list(itertools.combinations(sorted(bug_types), 2))
-    if split == "heldout_combo":
-        return tuple(c for c in combos if c == held)
-    return tuple(c for c in combos if c != held)
+    if not 1 <= n_bugs <= (64 if repeat else len(bug_types)):
+        raise ValueError(f"n_bugs={n_bugs} must be in [1, {64 if repeat else len(bug_types)}]")
+    if heldout_combo and not set(heldout_combo) <= set(bug_types):
+        raise ValueError(
+            f"heldout_combo={tuple(heldout_combo)} must be a subset of bug_types={tuple(bug_types)}"
+        )
+    pick = itertools.combinations_with_replacement if repeat else itertools.combinations
+    combos = list(pick(sorted(bug_types), n_bugs))
+    want_held = split == "heldout_combo"
+    return tuple(c for c in combos if is_heldout(c, heldout_combo) == want_held)
 
 
 def split_cells(
@@ -90,21 +95,34 @@ def split_cells(
     difficulties: Sequence[int],
     bug_types: Sequence[str],
     *,
-    multi_bug_min_difficulty: int | None = None,
+    bugs_per_difficulty: Sequence[int],
     heldout_combo: Sequence[str] | None = None,
+    repeat: bool = True,
 ) -> tuple[Cell, ...]:
-    """All ``(difficulty, bug_types)`` cells of a split, in a fixed order (see `bug_combos`)."""
+    """All ``(difficulty, bug_types)`` cells of a split, in a fixed order (see `bug_combos`).
+
+    Args:
+      bugs_per_difficulty: ``bugs_per_difficulty[d]`` bugs per task at difficulty ``d``.
+
+    Raises:
+      ValueError: no difficulties, a difficulty outside ``[0, len(bugs_per_difficulty))``, or
+        what `bug_combos` raises.
+    """
     if not difficulties:
         raise ValueError("difficulties must be non-empty")
+    n_levels = len(bugs_per_difficulty)
+    for d in difficulties:
+        if not 0 <= d < n_levels:
+            raise ValueError(f"difficulty={d} must be in [0, len(bugs_per_difficulty)={n_levels})")
     return tuple(
         (int(d), combo)
         for d in sorted(set(difficulties))
         for combo in bug_combos(
             bug_types,
-            d,
-            multi_bug_min_difficulty=multi_bug_min_difficulty,
+            bugs_per_difficulty[d],
             heldout_combo=heldout_combo,
             split=split,
+            repeat=repeat,
         )
     )
 

@@ -12,8 +12,14 @@ from agentrl_jax.data.difficulty import SuccessTracker, bucket_key, update_track
 
 BUGS = ("syntax", "logic", "off_by_one", "missing_dependency")
 SMALL = dict(
-    batch_size=8, group_size=4, k_samples=4, train_seeds=(0, 500), heldout_seeds=(500, 600)
+    batch_size=8,
+    group_size=4,
+    k_samples=4,
+    difficulties=(0, 1, 2),
+    train_seeds=(0, 500),
+    heldout_seeds=(500, 600),
 )
+HELD = {"missing_dependency", "off_by_one"}
 
 
 def _keys(items):
@@ -49,6 +55,8 @@ def fake_rollout(p_success, seed=0):
         (dict(heldout_seeds=(10, 10)), "heldout_seeds"),
         (dict(heldout_combo=("nope",)), "heldout_combo"),
         (dict(max_refill_rounds=-1), "max_refill_rounds"),
+        (dict(difficulties=(5,)), "difficulty=5"),
+        (dict(bugs_per_difficulty=(1, 0, 2, 3)), "n_bugs"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, match):
@@ -73,8 +81,9 @@ def test_deterministic_per_seed_and_split_ranges():
     held = TaskPipeline(DataConfig(**SMALL), "heldout").next_batch(24)
     assert all(500 <= s < 600 and sp == "heldout" for s, _, _, sp in _keys(held))
     combo = TaskPipeline(DataConfig(**SMALL), "heldout_combo").next_batch(6)
-    assert {b for _, _, b, _ in _keys(combo)} == {("logic", "missing_dependency")}
-    assert all(b != ("logic", "missing_dependency") for _, _, b, _ in _keys(a))
+    assert {b for _, _, b, _ in _keys(combo)} == {("missing_dependency", "off_by_one")}
+    assert all(not HELD <= set(b) for _, _, b, _ in _keys(a))
+    assert {len(b) for _, d, b, _ in _keys(a) if d == 2} == {2}  # bugs_per_difficulty[2] == 2
     with pytest.raises(ValueError, match="split"):
         TaskPipeline(DataConfig(**SMALL), "test")
 
@@ -88,21 +97,21 @@ def test_bug_types_balanced_within_batches():
     unbalanced = TaskPipeline(DataConfig(**SMALL, balance_bug_types=False))
     assert unbalanced.strata == ("all",)
     diffs = collections.Counter(i["difficulty"] for i in unbalanced.next_batch(300))
-    assert all(80 <= diffs[d] <= 120 for d in (1, 2, 3))  # equal weight per difficulty
+    assert all(80 <= diffs[d] <= 120 for d in (0, 1, 2))  # equal weight per difficulty
 
 
 def test_band_keeps_training_on_medium_tasks():
-    """Difficulty 1 always solved, 3 never, 2 half the time: after warm-up, mostly difficulty 2."""
+    """Difficulty 0 always solved, 2 never, 1 half the time: after warm-up, mostly difficulty 1."""
     cfg = DataConfig(**SMALL, out_of_band_prob=0.05)
     p = TaskPipeline(cfg)
-    outcome = {1: [1.0] * 4, 2: [1.0, 0.0, 0.0, 1.0], 3: [0.0] * 4}
+    outcome = {0: [1.0] * 4, 1: [1.0, 0.0, 0.0, 1.0], 2: [0.0] * 4}
     for _ in range(8):
         items = p.next_batch()
         p.update([{"spec": i, "rewards": outcome[i["difficulty"]]} for i in items])
-    assert p.stats()["data/buckets_estimated"] == 4 + 4 + 4 + 5  # d3 adds 5 non-held-out pairs
-    assert p.tracker.rates["d1/logic"] == 1.0 and p.tracker.rates["d3/logic"] == 0.0
+    assert p.stats()["data/buckets_estimated"] == 4 + 4 + 9  # d2: 10 pairs, 1 held out
+    assert p.tracker.rates["d0/logic"] == 1.0 and p.tracker.rates["d2/logic+syntax"] == 0.0
     later = p.next_batch(200)
-    frac = np.mean([i["difficulty"] == 2 for i in later])
+    frac = np.mean([i["difficulty"] == 1 for i in later])
     assert frac > 0.8, frac
     assert frac < 1.0  # out-of-band buckets still get re-estimated now and then
     stats = p.stats()
@@ -110,13 +119,13 @@ def test_band_keeps_training_on_medium_tasks():
     # a non-adaptive (held-out) view ignores the band
     flat = TaskPipeline(cfg, "train", adaptive=False)
     flat.tracker = p.tracker
-    assert np.mean([i["difficulty"] == 2 for i in flat.next_batch(120)]) < 0.5
+    assert np.mean([i["difficulty"] == 1 for i in flat.next_batch(120)]) < 0.5
 
 
 def test_collect_drops_degenerate_groups_and_refills():
     cfg = DataConfig(**SMALL)
     p = TaskPipeline(cfg)
-    kept, m = p.collect(fake_rollout({1: 0.95, 2: 0.5, 3: 0.1}))
+    kept, m = p.collect(fake_rollout({0: 0.95, 1: 0.5, 2: 0.1}))
     assert len(kept) == cfg.batch_size
     assert all(np.ptp(g["rewards"]) > 0 for g in kept)
     seen = int(m["data/groups"])
@@ -148,7 +157,7 @@ def test_update_validates_groups():
 
 def test_state_restore_reproduces_the_future():
     cfg = DataConfig(**SMALL)
-    rollout = fake_rollout({1: 0.9, 2: 0.5, 3: 0.15})
+    rollout = fake_rollout({0: 0.9, 1: 0.5, 2: 0.15})
     p = TaskPipeline(cfg)
     for _ in range(3):
         p.collect(rollout)
@@ -212,7 +221,7 @@ def test_state_saves_and_restores_with_orbax(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     cfg = DataConfig(**SMALL)
     p = TaskPipeline(cfg)
-    p.collect(fake_rollout({1: 0.9, 2: 0.5, 3: 0.15}))
+    p.collect(fake_rollout({0: 0.9, 1: 0.5, 2: 0.15}))
     with ocp.CheckpointManager(tmp_path) as mngr:
         mngr.save(3, args=ocp.args.Composite(data=ocp.args.JsonSave(p.state())))
         mngr.wait_until_finished()
@@ -224,7 +233,7 @@ def test_state_saves_and_restores_with_orbax(tmp_path):
 
 
 def test_forced_draws_when_nothing_is_in_band_and_per_task_tracking():
-    cfg = DataConfig(**SMALL, out_of_band_prob=0.0, max_draws_per_task=3, difficulties=(1,))
+    cfg = DataConfig(**{**SMALL, "difficulties": (1,)}, out_of_band_prob=0.0, max_draws_per_task=3)
     p = TaskPipeline(cfg)
     for t in BUGS:
         p.tracker = update_tracker(p.tracker, f"d1/{t}", [0.0] * 4)

@@ -16,22 +16,20 @@ def _key(spec):
     return (spec["seed"], spec["difficulty"], tuple(spec["bug_types"]), spec["split"])
 
 
-def test_bug_combos_single_pairs_and_heldout():
-    kw = dict(multi_bug_min_difficulty=3, heldout_combo=("missing_dependency", "logic"))
-    assert sources.bug_combos(BUGS, 1, split="train", **kw) == (
-        ("logic",),
-        ("missing_dependency",),
-        ("off_by_one",),
-        ("syntax",),
-    )
-    d3 = sources.bug_combos(BUGS, 3, split="train", **kw)
-    assert len(d3) == 4 + 6 - 1 and ("logic", "missing_dependency") not in d3
-    assert ("logic", "off_by_one") in d3
-    assert sources.bug_combos(BUGS, 3, split="heldout", **kw) == d3
-    assert sources.bug_combos(BUGS, 3, split="heldout_combo", **kw) == (
-        ("logic", "missing_dependency"),
-    )
-    assert sources.bug_combos(BUGS, 2, split="heldout_combo", **kw) == ()
+def test_bug_combos_multisets_and_heldout():
+    held = ("off_by_one", "missing_dependency")
+    one = sources.bug_combos(BUGS, 1, heldout_combo=held, split="train")
+    assert one == (("logic",), ("missing_dependency",), ("off_by_one",), ("syntax",))
+    assert sources.bug_combos(BUGS, 1, heldout_combo=held, split="heldout_combo") == ()
+    two = sources.bug_combos(BUGS, 2, heldout_combo=held, split="train")
+    assert len(two) == 10 - 1  # C(4 + 1, 2) multisets, one held out
+    assert ("logic", "logic") in two and ("missing_dependency", "off_by_one") not in two
+    assert sources.bug_combos(BUGS, 2, heldout_combo=held, split="heldout") == two
+    three_held = sources.bug_combos(BUGS, 3, heldout_combo=held, split="heldout_combo")
+    assert len(three_held) == 4 and all(set(held) <= set(c) for c in three_held)
+    assert len(sources.bug_combos(BUGS, 3, heldout_combo=held, split="train")) == 20 - 4
+    sets = sources.bug_combos(BUGS, 2, heldout_combo=None, split="train", repeat=False)
+    assert len(sets) == 6 and all(len(set(c)) == 2 for c in sets)
 
 
 @pytest.mark.parametrize(
@@ -40,15 +38,16 @@ def test_bug_combos_single_pairs_and_heldout():
         (dict(split="val"), "split"),
         (dict(bug_types=("a", "a")), "bug_types"),
         (dict(heldout_combo=("zzz",)), "heldout_combo"),
-        (dict(difficulty=-1), "difficulty"),
+        (dict(n_bugs=0), "n_bugs"),
+        (dict(n_bugs=5, repeat=False), "n_bugs"),
     ],
 )
 def test_bug_combos_rejects_bad_input(kwargs, match):
-    args = dict(bug_types=BUGS, difficulty=1, split="train", heldout_combo=None)
+    args = dict(bug_types=BUGS, n_bugs=1, split="train", heldout_combo=None)
     args.update(kwargs)
-    bug_types, difficulty = args.pop("bug_types"), args.pop("difficulty")
+    bug_types, n_bugs = args.pop("bug_types"), args.pop("n_bugs")
     with pytest.raises(ValueError, match=match):
-        sources.bug_combos(bug_types, difficulty, multi_bug_min_difficulty=None, **args)
+        sources.bug_combos(bug_types, n_bugs, **args)
 
 
 def test_source_hand_values_and_full_coverage():
@@ -135,14 +134,17 @@ def test_iterator_state_json_round_trip():
     assert _take(it2, 10) == after
 
 
-def test_split_cells_and_seed_ranges_disjoint():
-    kw = dict(multi_bug_min_difficulty=2, heldout_combo=("logic", "syntax"))
-    train = sources.split_cells("train", (1, 2), BUGS, **kw)
-    held = sources.split_cells("heldout_combo", (1, 2), BUGS, **kw)
-    assert held == ((2, ("logic", "syntax")),)
+def test_split_cells():
+    kw = dict(bugs_per_difficulty=(1, 2), heldout_combo=("logic", "syntax"))
+    train = sources.split_cells("train", (1, 0), BUGS, **kw)
+    held = sources.split_cells("heldout_combo", (0, 1), BUGS, **kw)
+    assert held == ((1, ("logic", "syntax")),)
+    assert [d for d, _ in train] == [0] * 4 + [1] * 9
     assert all(c != ("logic", "syntax") for _, c in train)
     with pytest.raises(ValueError, match="difficulties"):
-        sources.split_cells("train", (), BUGS)
+        sources.split_cells("train", (), BUGS, bugs_per_difficulty=(1,))
+    with pytest.raises(ValueError, match="difficulty=2"):
+        sources.split_cells("train", (2,), BUGS, bugs_per_difficulty=(1, 1))
 
 
 def test_make_task_as_grain_map_and_factory_adapter():
