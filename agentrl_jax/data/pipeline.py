@@ -26,6 +26,9 @@ How a batch is drawn (all steps deterministic per ``DataConfig.shuffle_seed``):
    slots from the sources, at most ``max_refill_rounds`` times.
 
 Held-out splits are not adaptive by default: they stream their tasks without band filtering.
+A fixed evaluation set is ``TaskPipeline(cfg, "heldout").next_batch(n)`` on a fresh pipeline
+(one difficulty: ``dataclasses.replace(cfg, difficulties=(d,))``); ``"heldout_combo"`` gives the
+tasks whose bugs contain every type of ``cfg.heldout_combo``.
 """
 
 from __future__ import annotations
