@@ -1,5 +1,40 @@
 """Attention kernels (installed as ``agentrl_jax.kernels``).
 
 Each op has a pure-jnp ``*_reference``, a blocked XLA implementation and a Pallas kernel,
-selected with ``impl='auto'|'xla'|'pallas'``.
+selected with ``impl='auto'|'xla'|'pallas'`` ('auto': Pallas on GPU/TPU, XLA on CPU). All of
+them compute the softmax and accumulate in float32 whatever the input dtype, and return zeros
+for a query row that sees no key. This package imports only jax/numpy.
 """
+
+from agentrl_jax.kernels.attention_math import IMPLS, resolve_impl
+from agentrl_jax.kernels.block_sparse import (
+    block_sparse_attention,
+    block_sparse_attention_reference,
+    block_sparse_attention_xla,
+    normalize_block_indices,
+)
+from agentrl_jax.kernels.paged_decode import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    paged_decode_attention_xla,
+)
+from agentrl_jax.kernels.sliding_window import (
+    sliding_window_attention,
+    sliding_window_attention_reference,
+    sliding_window_attention_xla,
+)
+
+__all__ = [
+    "IMPLS",
+    "block_sparse_attention",
+    "block_sparse_attention_reference",
+    "block_sparse_attention_xla",
+    "normalize_block_indices",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "paged_decode_attention_xla",
+    "resolve_impl",
+    "sliding_window_attention",
+    "sliding_window_attention_reference",
+    "sliding_window_attention_xla",
+]

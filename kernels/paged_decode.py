@@ -1,0 +1,214 @@
+"""Single-token decode attention over a paged KV cache, with grouped-query heads.
+
+Sequence ``b`` owns pages ``block_tables[b, 0 .. ceil(lengths[b] / page_size) - 1]`` of the
+shared page pool; its new token attends to the first ``lengths[b]`` cached tokens, or only the
+last ``window`` of them. Pages may be float32/bfloat16, or int8 with one float scale per page
+and kv head (dequantised value = int8 * scale). ``lengths[b] == 0`` returns zeros.
+
+Einsum legend: B batch, K kv heads, G query heads per kv head (N = K * G), H head dim,
+S cached token (page-major: page j slot o is token j * page_size + o).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from agentrl_jax.kernels.attention_math import (
+    check_gqa,
+    default_scale,
+    masked_softmax,
+    resolve_impl,
+)
+
+
+def _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales) -> int:
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, Hq, D]; got {q.shape=}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(
+            f"k_pages, v_pages must be [P, page_size, Hkv, D]; got {k_pages.shape=} "
+            f"{v_pages.shape=}"
+        )
+    b, n, h = q.shape
+    p, _, kh, hd = k_pages.shape
+    if hd != h:
+        raise ValueError(f"head dims differ: {q.shape=} {k_pages.shape=}")
+    g = check_gqa(n, kh)
+    if block_tables.ndim != 2 or block_tables.shape[0] != b:
+        raise ValueError(f"block_tables must be [B={b}, max_pages]; got {block_tables.shape=}")
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must be [B={b}]; got {lengths.shape=}")
+    for name, x in (("block_tables", block_tables), ("lengths", lengths)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array; got {x.dtype=}")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"{window=} must be None or an int >= 1")
+    quantized = k_pages.dtype == jnp.int8
+    if quantized != (v_pages.dtype == jnp.int8):
+        raise ValueError(f"k_pages and v_pages dtypes differ: {k_pages.dtype=} {v_pages.dtype=}")
+    if quantized:
+        for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if s is None or s.shape != (p, kh):
+                shape = None if s is None else s.shape
+                raise ValueError(f"int8 pages need {name} of shape [P={p}, Hkv={kh}]; got {shape}")
+    elif k_scales is not None or v_scales is not None:
+        raise ValueError(f"k_scales/v_scales are only for int8 pages; got {k_pages.dtype=}")
+    return g
+
+
+def _mask(pos: jax.Array, lengths: jax.Array, window: int | None) -> jax.Array:
+    """[B, S] visibility of cached positions ``pos`` ([B, S] or [S])."""
+    lengths = lengths[:, None]
+    mask = pos < lengths
+    if window is not None:
+        mask &= pos >= lengths - window
+    return mask
+
+
+def paged_decode_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    window: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    softmax_scale: float | None = None,
+) -> jax.Array:
+    """fp32 reference: gathers every page in the block table, dequantises, masks.
+
+    Args:
+      q: [B, Hq, D] one query token per sequence.
+      k_pages: [P, page_size, Hkv, D] key page pool (float32, bfloat16 or int8).
+      v_pages: [P, page_size, Hkv, D] value page pool, same dtype as k_pages.
+      block_tables: int32 [B, max_pages] page ids; entries past a sequence's pages are ignored.
+      lengths: int32 [B] cached tokens per sequence, 0 .. max_pages * page_size.
+      window: if set, attend only to the last ``window`` cached tokens.
+      k_scales: [P, Hkv] float scales, required iff pages are int8.
+      v_scales: [P, Hkv] float scales, required iff pages are int8.
+      softmax_scale: logit scale; default 1/sqrt(D).
+
+    Returns:
+      [B, Hq, D] in q.dtype; zeros where lengths[b] == 0.
+
+    Raises:
+      ValueError: on inconsistent shapes/dtypes, missing or superfluous scales, window < 1.
+    """
+    g = _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales)
+    b, n, h = q.shape
+    num_pages, ps, kh, _ = k_pages.shape
+    bt = jnp.clip(block_tables, 0, num_pages - 1)
+    k = k_pages[bt].astype(jnp.float32)  # [B, max_pages, ps, K, H]
+    v = v_pages[bt].astype(jnp.float32)
+    if k_scales is not None:
+        k = k * k_scales[bt][:, :, None, :, None].astype(jnp.float32)
+        v = v * v_scales[bt][:, :, None, :, None].astype(jnp.float32)
+    k = k.reshape(b, -1, kh, h)
+    v = v.reshape(b, -1, kh, h)
+    qg = q.astype(jnp.float32).reshape(b, kh, g, h)
+    logits = jnp.einsum("BKGH,BSKH->BKGS", qg, k) * default_scale(h, softmax_scale)
+    mask = _mask(jnp.arange(k.shape[1]), lengths, window)
+    p = masked_softmax(logits, mask[:, None, None, :])
+    return jnp.einsum("BKGS,BSKH->BKGH", p, v).reshape(b, n, h).astype(q.dtype)
+
+
+def paged_decode_attention_xla(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    window: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    softmax_scale: float | None = None,
+) -> jax.Array:
+    """XLA implementation: gathers pages (only the window's pages when ``window`` is set).
+
+    int8 pages are multiplied into the logits / probabilities by their per-page scale instead
+    of dequantising the gathered values. Shapes as :func:`paged_decode_attention_reference`.
+    """
+    g = _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales)
+    b, n, h = q.shape
+    num_pages, ps, kh, _ = k_pages.shape
+    max_pages = block_tables.shape[1]
+    lengths = lengths.astype(jnp.int32)
+    if window is None:
+        n_pages = max_pages
+        first = jnp.zeros((b,), jnp.int32)
+    else:
+        n_pages = min(max_pages, -(-window // ps) + 1)
+        first = jnp.clip((lengths - window) // ps, 0, max_pages - n_pages)
+    page_slots = first[:, None] + jnp.arange(n_pages)  # [B, n_pages]
+    bt = jnp.take_along_axis(block_tables.astype(jnp.int32), page_slots, axis=1)
+    bt = jnp.clip(bt, 0, num_pages - 1)
+    compute = q.dtype
+    k = k_pages[bt].astype(compute).reshape(b, n_pages * ps, kh, h)
+    v = v_pages[bt].astype(compute).reshape(b, n_pages * ps, kh, h)
+    qg = q.reshape(b, kh, g, h)
+    logits = jnp.einsum("BKGH,BSKH->BKGS", qg, k, preferred_element_type=jnp.float32)
+    if k_scales is not None:
+        ks = jnp.repeat(k_scales[bt].astype(jnp.float32), ps, axis=1)  # [B, S, K]
+        logits = logits * ks.transpose(0, 2, 1)[:, :, None, :]
+    logits = logits * default_scale(h, softmax_scale)
+    pos = (page_slots[:, :, None] * ps + jnp.arange(ps)).reshape(b, n_pages * ps)
+    p = masked_softmax(logits, _mask(pos, lengths, window)[:, None, None, :])
+    if v_scales is not None:
+        vs = jnp.repeat(v_scales[bt].astype(jnp.float32), ps, axis=1)
+        p = p * vs.transpose(0, 2, 1)[:, :, None, :]
+    out = jnp.einsum("BKGS,BSKH->BKGH", p.astype(compute), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, n, h).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "softmax_scale", "impl", "interpret"))
+def paged_decode_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    window: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention of one new token per sequence against its paged KV cache.
+
+    Args:
+      q: [B, Hq, D] queries (float32 or bfloat16).
+      k_pages: [P, page_size, Hkv, D] key page pool: float32, bfloat16, or int8 with scales.
+      v_pages: [P, page_size, Hkv, D] value page pool, same dtype as k_pages.
+      block_tables: int32 [B, max_pages] page ids owned by each sequence, in token order.
+      lengths: int32 [B] cached tokens per sequence, 0 .. max_pages * page_size.
+      window: if set (>= 1), attend only to the last ``window`` cached tokens.
+      k_scales: [P, Hkv] float dequantisation scales, required iff pages are int8.
+      v_scales: [P, Hkv] float dequantisation scales, required iff pages are int8.
+      softmax_scale: logit scale; default 1/sqrt(D).
+      impl: 'xla', 'pallas' or 'auto' (Pallas on GPU/TPU, XLA on CPU).
+      interpret: run the Pallas kernel in interpret mode (CPU testing).
+
+    Returns:
+      [B, Hq, D] in q.dtype; float32 softmax/accumulation; zeros where lengths[b] == 0.
+
+    Raises:
+      ValueError: on inconsistent shapes/dtypes, missing or superfluous scales, window < 1 or an
+        unknown impl.
+    """
+    impl = resolve_impl(impl)
+    kwargs = dict(window=window, k_scales=k_scales, v_scales=v_scales, softmax_scale=softmax_scale)
+    if impl == "xla":
+        return paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths, **kwargs)
+    from agentrl_jax.kernels.paged_decode_pallas import paged_decode_attention_pallas
+
+    _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales)
+    return paged_decode_attention_pallas(
+        q, k_pages, v_pages, block_tables, lengths, interpret=interpret, **kwargs
+    )

@@ -1,0 +1,166 @@
+"""Causal sliding-window attention with grouped-query heads.
+
+Query ``t`` attends to keys ``t - window + 1 .. t``; ``window >= T`` is dense causal attention.
+
+Einsum legend: B batch, T query time, S key time, K kv heads, G query heads per kv head
+(N = K * G query heads), H head dim, C chunk index, Q query position inside a chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from agentrl_jax.kernels.attention_math import (
+    check_gqa,
+    default_scale,
+    masked_softmax,
+    resolve_impl,
+)
+
+# Largest query chunk of the blocked XLA path: logits per chunk are [C, C * (n_prev + 1)].
+_XLA_MAX_CHUNK = 256
+
+
+def _validate(q: jax.Array, k: jax.Array, v: jax.Array, window: int) -> int:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be rank 4; got {q.shape=}, {k.shape=}, {v.shape=}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {k.shape=} {v.shape=}")
+    b, t, n, h = q.shape
+    if k.shape[0] != b or k.shape[1] != t or k.shape[3] != h:
+        raise ValueError(f"k must be [B={b}, T={t}, Hkv, D={h}]; got {k.shape=}")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"{window=} must be an int >= 1")
+    return check_gqa(n, k.shape[2])
+
+
+def sliding_window_attention_reference(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, softmax_scale: float | None = None
+) -> jax.Array:
+    """Dense fp32 reference: builds the full [T, T] band mask.
+
+    Args:
+      q: [B, T, Hq, D] queries.
+      k: [B, T, Hkv, D] keys; Hq must be a multiple of Hkv.
+      v: [B, T, Hkv, D] values.
+      window: keys per query, >= 1 (query t sees keys t - window + 1 .. t).
+      softmax_scale: logit scale; default 1/sqrt(D).
+
+    Returns:
+      [B, T, Hq, D] in q.dtype.
+
+    Raises:
+      ValueError: on inconsistent shapes or window < 1.
+    """
+    g = _validate(q, k, v, window)
+    b, t, n, h = q.shape
+    scale = default_scale(h, softmax_scale)
+    qg = q.astype(jnp.float32).reshape(b, t, n // g, g, h)
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32)) * scale
+    pos = jnp.arange(t)
+    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    p = masked_softmax(logits, mask)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", p, v.astype(jnp.float32))
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def _dense_causal_xla(q, k, v, scale, g):
+    b, t, n, h = q.shape
+    qg = q.reshape(b, t, n // g, g, h)
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
+    pos = jnp.arange(t)
+    p = masked_softmax(logits, pos[None, :] <= pos[:, None])
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def _banded_xla(q, k, v, window, scale, g):
+    """Chunks the sequence; each query chunk sees only itself and the chunks the window reaches."""
+    b, t, n, h = q.shape
+    kh = n // g
+    c = min(t, max(16, min(window, _XLA_MAX_CHUNK)))
+    n_prev = -(-(window - 1) // c)
+    pad = -t % c
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    nc = (t + pad) // c
+
+    def windows(x):  # [B, T', K, H] -> [B, nc, (n_prev + 1) * c, K, H]
+        x = jnp.pad(x, ((0, 0), (n_prev * c, 0), (0, 0), (0, 0)))
+        x = x.reshape(b, nc + n_prev, c, kh, h)
+        x = jnp.stack([x[:, j : j + nc] for j in range(n_prev + 1)], axis=2)
+        return x.reshape(b, nc, (n_prev + 1) * c, kh, h)
+
+    kw, vw = windows(k), windows(v)
+    qc = q.reshape(b, nc, c, kh, g, h)
+    logits = jnp.einsum("BCQKGH,BCSKH->BCKGQS", qc, kw, preferred_element_type=jnp.float32)
+    logits = logits * scale
+    # Key slot s of chunk i sits at position (i - n_prev) * c + s; query slot r at i * c + r.
+    rel = jnp.arange((n_prev + 1) * c)[None, :] - n_prev * c - jnp.arange(c)[:, None]
+    kpos = (jnp.arange(nc)[:, None] - n_prev) * c + jnp.arange((n_prev + 1) * c)[None, :]
+    mask = (rel <= 0) & (rel > -window)
+    mask = mask[None, :, :] & (kpos >= 0)[:, None, :]  # [nc, Q, S]
+    p = masked_softmax(logits, mask[None, :, None, None])
+    out = jnp.einsum(
+        "BCKGQS,BCSKH->BCQKGH", p.astype(vw.dtype), vw, preferred_element_type=jnp.float32
+    )
+    return out.reshape(b, nc * c, n, h)[:, :t].astype(q.dtype)
+
+
+def sliding_window_attention_xla(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, softmax_scale: float | None = None
+) -> jax.Array:
+    """Blocked XLA implementation; differentiable by autodiff.
+
+    ``window >= T`` runs plain masked causal attention; otherwise the sequence is cut into
+    chunks and each query chunk attends only to the chunks the window reaches. Matmuls take the
+    input dtype with float32 accumulation; the softmax is float32. Shapes as
+    :func:`sliding_window_attention_reference`.
+    """
+    g = _validate(q, k, v, window)
+    scale = default_scale(q.shape[-1], softmax_scale)
+    if window >= q.shape[1]:
+        return _dense_causal_xla(q, k, v, scale, g)
+    return _banded_xla(q, k, v, window, scale, g)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "softmax_scale", "impl", "interpret"))
+def sliding_window_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    window: int,
+    softmax_scale: float | None = None,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal sliding-window attention with grouped-query heads.
+
+    Args:
+      q: [B, T, Hq, D] queries (float32 or bfloat16).
+      k: [B, T, Hkv, D] keys; Hq must be a multiple of Hkv.
+      v: [B, T, Hkv, D] values.
+      window: keys per query, >= 1: query t sees keys t - window + 1 .. t; window >= T is
+        dense causal attention.
+      softmax_scale: logit scale; default 1/sqrt(D).
+      impl: 'xla', 'pallas' or 'auto' (Pallas on GPU/TPU, XLA on CPU).
+      interpret: run the Pallas kernel in interpret mode (CPU testing).
+
+    Returns:
+      [B, T, Hq, D] in q.dtype; softmax and accumulation in float32.
+
+    Raises:
+      ValueError: on inconsistent shapes, window < 1 or an unknown impl.
+    """
+    impl = resolve_impl(impl)
+    if impl == "xla":
+        return sliding_window_attention_xla(q, k, v, window=window, softmax_scale=softmax_scale)
+    from agentrl_jax.kernels.sliding_window_pallas import sliding_window_attention_pallas
+
+    _validate(q, k, v, window)
+    return sliding_window_attention_pallas(
+        q, k, v, window=window, softmax_scale=softmax_scale, interpret=interpret
+    )

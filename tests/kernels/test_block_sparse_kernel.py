@@ -1,0 +1,107 @@
+"""block_sparse_attention: every impl against the fp32 reference (Pallas in interpret mode)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from agentrl_jax.kernels import (
+    block_sparse_attention,
+    block_sparse_attention_reference,
+    sliding_window_attention_reference,
+)
+
+# One unoptimised XLA compile per case: XLA's CPU backend optimisations dominate test time.
+fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+# Per input dtype; bf16 outputs are rounded to bf16 and P@V takes bf16 probabilities.
+TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+GRAD_TOL = dict(atol=1e-4, rtol=1e-4)  # float32 inputs
+IMPLS = [("xla", False)]
+
+
+def _inputs(b, t, kh, g, d, dtype, n_sel, block_size, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(s, np.float32).astype(dtype))
+        for s in [(b, t, kh * g, d), (b, t, kh, d), (b, t, kh, d)]
+    )
+    nblk = -(-t // block_size)
+    # Random block ids incl. -1 slots, repeats, future blocks (causally masked), out of range.
+    idx = rng.integers(-1, nblk + 1, (b, t, kh, n_sel)).astype(np.int32)
+    idx[..., 0] = (np.arange(t) // block_size)[None, :, None]  # most rows see their own block
+    idx[0, 3, 0, :] = -1  # a row with no visible key -> zeros
+    return q, k, v, jnp.asarray(idx)
+
+
+def test_reference_no_selection_is_zero_and_all_blocks_is_dense():
+    q, k, v, _ = _inputs(1, 12, 2, 2, 8, jnp.float32, 1, 4)
+    none = -jnp.ones((1, 12, 2, 2), jnp.int32)
+    out = block_sparse_attention_reference(q, k, v, none, block_size=4)
+    np.testing.assert_array_equal(out, 0.0)
+    every = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (1, 12, 2, 3))
+    out = block_sparse_attention_reference(q, k, v, every, block_size=4)
+    dense = sliding_window_attention_reference(q, k, v, window=12)
+    np.testing.assert_allclose(out, dense, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl,interpret", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("g", [1, 4, 8])
+def test_matches_reference(impl, interpret, dtype, g):
+    q, k, v, idx = _inputs(2, 20, 2, g, 16, dtype, n_sel=3, block_size=4, seed=g)
+
+    @fast_jit
+    def both(q, k, v, idx):
+        out = block_sparse_attention(q, k, v, idx, block_size=4, impl=impl, interpret=interpret)
+        return out, block_sparse_attention_reference(q, k, v, idx, block_size=4)
+
+    out, ref = both(q, k, v, idx)
+    assert out.dtype == dtype and out.shape == q.shape
+    np.testing.assert_array_equal(np.asarray(out[0, 3, :g], np.float32), 0.0)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(ref, np.float32), **TOL[dtype]
+    )
+
+
+@pytest.mark.parametrize("impl,interpret", IMPLS)
+def test_all_blocks_equal_dense_causal(impl, interpret):
+    q, k, v, _ = _inputs(1, 16, 2, 4, 16, jnp.float32, 1, 4, seed=5)
+    every = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32)[::-1], (1, 16, 2, 4))
+
+    @fast_jit
+    def both(q, k, v):
+        out = block_sparse_attention(q, k, v, every, block_size=4, impl=impl, interpret=interpret)
+        return out, sliding_window_attention_reference(q, k, v, window=16)
+
+    out, dense = both(q, k, v)
+    np.testing.assert_allclose(out, dense, **TOL[jnp.float32])
+
+
+@pytest.mark.parametrize("impl,interpret", IMPLS)
+def test_gradients_match_reference(impl, interpret):
+    q, k, v, idx = _inputs(1, 16, 2, 4, 16, jnp.float32, n_sel=2, block_size=4, seed=11)
+    w = jnp.asarray(np.random.default_rng(12).standard_normal(q.shape, np.float32))
+
+    def fn(q, k, v):
+        return block_sparse_attention(q, k, v, idx, block_size=4, impl=impl, interpret=interpret)
+
+    def ref(q, k, v):
+        return block_sparse_attention_reference(q, k, v, idx, block_size=4)
+
+    @fast_jit
+    def grads(q, k, v):
+        loss = lambda f, q, k, v: jnp.sum(f(q, k, v) * w)
+        return [jax.grad(loss, argnums=(1, 2, 3))(f, q, k, v) for f in (fn, ref)]
+
+    got, want = grads(q, k, v)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, **GRAD_TOL)
+
+
+def test_bad_inputs_raise():
+    q, k, v, idx = _inputs(1, 8, 2, 2, 4, jnp.float32, 2, 4)
+    with pytest.raises(ValueError, match="block_size"):
+        block_sparse_attention(q, k, v, idx, block_size=0, impl="xla")
+    with pytest.raises(ValueError, match="block_indices"):
+        block_sparse_attention(q, k, v, idx[:, :4], block_size=4, impl="xla")

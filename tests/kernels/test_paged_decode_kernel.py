@@ -1,0 +1,100 @@
+"""paged_decode_attention: every impl against the fp32 reference (Pallas in interpret mode)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from agentrl_jax.kernels import paged_decode_attention, paged_decode_attention_reference
+
+# One unoptimised XLA compile per case: XLA's CPU backend optimisations dominate test time.
+fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+# Per input dtype; bf16 outputs are rounded to bf16 and P@V takes bf16 probabilities.
+TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+IMPLS = [("xla", False)]
+PAGE, MAX_PAGES, NUM_PAGES = 4, 5, 32
+# Ragged lengths: a single token, a full last page, a partial page, the full table, empty.
+LENGTHS = [1, 8, 13, MAX_PAGES * PAGE, 0]
+
+
+def _inputs(kh, g, d, dtype, seed=0, int8=False):
+    b = len(LENGTHS)
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, kh * g, d), np.float32).astype(dtype))
+    shape = (NUM_PAGES, PAGE, kh, d)
+    if int8:
+        k, v = (jnp.asarray(rng.integers(-127, 128, shape).astype(np.int8)) for _ in range(2))
+        sk, sv = (
+            jnp.asarray(rng.uniform(0.002, 0.02, (NUM_PAGES, kh)).astype(np.float32))
+            for _ in range(2)
+        )
+        scales = dict(k_scales=sk, v_scales=sv)
+    else:
+        k, v = (jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype)) for _ in range(2))
+        scales = {}
+    # Each sequence owns distinct, shuffled pages; unowned table slots hold junk (-1 or huge).
+    perm = rng.permutation(NUM_PAGES)[: b * MAX_PAGES].reshape(b, MAX_PAGES)
+    owned = np.arange(MAX_PAGES)[None, :] * PAGE < np.array(LENGTHS)[:, None]
+    junk = np.where(np.arange(MAX_PAGES) % 2, -1, 10**6)[None, :]
+    tables = jnp.asarray(np.where(owned, perm, junk).astype(np.int32))
+    return q, k, v, tables, jnp.asarray(LENGTHS, jnp.int32), scales
+
+
+def test_reference_matches_numpy_loop():
+    q, k, v, tables, lengths, _ = _inputs(2, 2, 8, jnp.float32, seed=1)
+    out = np.asarray(paged_decode_attention_reference(q, k, v, tables, lengths, window=6))
+    qn, kn, vn, tn = (np.asarray(x, np.float64) for x in (q, k, v, tables))
+    for b, length in enumerate(LENGTHS):
+        toks = [(int(tn[b, s // PAGE]), s % PAGE) for s in range(max(0, length - 6), length)]
+        for n in range(4):
+            if not toks:
+                np.testing.assert_array_equal(out[b, n], 0.0)
+                continue
+            kk = np.stack([kn[p, o, n // 2] for p, o in toks])
+            vv = np.stack([vn[p, o, n // 2] for p, o in toks])
+            s = kk @ qn[b, n] / np.sqrt(8)
+            p = np.exp(s - s.max())
+            np.testing.assert_allclose(out[b, n], (p / p.sum()) @ vv, atol=1e-5)
+
+
+def _check(impl, interpret, dtype, window, q, k, v, tables, lengths, scales):
+    @fast_jit
+    def both(q, k, v, tables, lengths, scales):
+        out = paged_decode_attention(
+            q, k, v, tables, lengths, window=window, impl=impl, interpret=interpret, **scales
+        )
+        ref = paged_decode_attention_reference(q, k, v, tables, lengths, window=window, **scales)
+        return out, ref
+
+    out, ref = both(q, k, v, tables, lengths, scales)
+    assert out.dtype == dtype and out.shape == q.shape
+    np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)  # lengths == 0
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(ref, np.float32), **TOL[dtype]
+    )
+
+
+@pytest.mark.parametrize("impl,interpret", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("g", [1, 4, 8])
+@pytest.mark.parametrize("window", [None, 1, 6])
+def test_matches_reference(impl, interpret, dtype, g, window):
+    _check(impl, interpret, dtype, window, *_inputs(2, g, 16, dtype, seed=g))
+
+
+@pytest.mark.parametrize("impl,interpret", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_int8_pages_match_reference(impl, interpret, dtype, window):
+    _check(impl, interpret, dtype, window, *_inputs(2, 4, 16, dtype, seed=3, int8=True))
+
+
+def test_bad_inputs_raise():
+    q, k, v, tables, lengths, scales = _inputs(2, 2, 8, jnp.float32, int8=True)
+    with pytest.raises(ValueError, match="k_scales"):
+        paged_decode_attention(q, k, v, tables, lengths, impl="xla")
+    with pytest.raises(ValueError, match="window"):
+        paged_decode_attention(q, k, v, tables, lengths, window=0, impl="xla", **scales)
+    with pytest.raises(ValueError, match="lengths"):
+        paged_decode_attention(q, k, v, tables, lengths[:2], impl="xla", **scales)
