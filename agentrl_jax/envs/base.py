@@ -136,7 +136,7 @@ class Tool(Protocol):
 
 
 class ToolRegistry:
-    """Tools by name. ``register`` refuses duplicates; ``get`` returns ``None`` for unknown names."""
+    """Tools by name: ``register`` refuses duplicates, ``get`` returns ``None`` if unknown."""
 
     def __init__(self, tools: Sequence[Tool] = ()):
         self._tools: dict[str, Tool] = {}

@@ -25,7 +25,6 @@ from agentrl_jax.envs.coderepair.config import BUG_TYPES
 from agentrl_jax.envs.coderepair.evaluation import evaluate
 from agentrl_jax.envs.coderepair.generator import Test
 from agentrl_jax.envs.coderepair.language import (
-    COMPARISONS,
     PARAMS,
     TYPOS,
     LangSyntaxError,

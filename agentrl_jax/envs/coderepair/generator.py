@@ -3,9 +3,10 @@
 Idioms (``TEMPLATES``): ``arith`` (a chain of arithmetic), ``sum`` (accumulate over a range),
 ``count`` (count matching indices), ``branch`` (two returns behind a comparison), ``clamp``
 (cap a value), ``call`` (combine calls of earlier functions) and ``loopcall`` (sum a call over a
-range). Constants are single digits, test arguments are in ``[0, 6]`` and every expected value is
-within ``[-999, 999]`` (visible ones pairwise distinct), so observations stay short. The recurring idioms are what a model can
-learn as a prior over "normal" code, against which an injected bug stands out.
+range). Constants are single digits, test arguments are in ``[0, 6]`` (the first in ``[1, 6]``)
+and every expected value is within ``[-999, 999]`` (visible ones pairwise distinct), so
+observations stay short. The recurring idioms are what a model can learn as a prior over
+"normal" code, against which an injected bug stands out.
 """
 
 from __future__ import annotations
@@ -133,7 +134,9 @@ def make_function(
             ["end"],
             ["return", s],
         ]
-    header = ["def", name, "("] + [w for j, p in enumerate(params) for w in ([","] if j else []) + [p]]
+    header = ["def", name, "("] + [
+        w for j, p in enumerate(params) for w in ([","] if j else []) + [p]
+    ]
     return [header + [")"], *body, ["end"]], arity
 
 
@@ -182,44 +185,44 @@ def _tests_for(
 def make_repo(
     rng: random.Random, n_functions: int, n_distractors: int, n_visible: int, n_hidden: int
 ) -> Repo:
-    """Generates a program with tests; retries internally until every test is well formed.
+    """Generates a program with tests; regenerates a function until its tests are well formed.
 
     Function ``k > 0`` calls earlier tested functions with probability 1/2 (the last one always,
     so every program with two or more functions has a call). Distractors are placed at random.
     """
-    for _ in range(200):
-        names = rng.sample(FUNCTION_NAMES, n_functions + n_distractors)
-        tested, distractors = names[:n_functions], names[n_functions:]
-        blocks: list[list[list[str]]] = []
-        arity: dict[str, int] = {}
-        for k, name in enumerate(tested):
-            callees = [(f, arity[f]) for f in tested[:k]]
-            must_call = k == n_functions - 1 and k > 0
+    names = rng.sample(FUNCTION_NAMES, n_functions + n_distractors)
+    tested, distractors = names[:n_functions], names[n_functions:]
+    blocks: list[list[list[str]]] = []
+    arity: dict[str, int] = {}
+    cases_of: dict[str, list[tuple[tuple[int, ...], int]]] = {}
+    for k, name in enumerate(tested):
+        callees = [(f, arity[f]) for f in tested[:k]]
+        must_call = k == n_functions - 1 and k > 0
+        for _ in range(200):  # regenerate this function until its tests are well formed
             if callees and (must_call or rng.random() < 0.5):
                 kind = rng.choice(CALL_TEMPLATES)
             else:
                 kind = rng.choice(TEMPLATES[:5])
-            lines, arity[name] = make_function(rng, name, kind, callees)
-            blocks.append(lines)
-        for name in distractors:
-            lines, arity[name] = make_function(rng, name, rng.choice(TEMPLATES[:5]), [])
-            blocks.insert(rng.randint(0, len(blocks)), lines)
-        flat = tuple(tuple(w) for b in blocks for w in b)
-        machine = Machine(parse_program(flat), budget=5000)
-        tests: list[Test] = []
-        hidden: list[tuple[str, tuple[int, ...], int]] = []
-        ok = True
-        for name in tested:
-            cases = _tests_for(rng, machine, name, arity[name], n_visible + n_hidden, n_visible)
-            if cases is None:
-                ok = False
+            lines, n_args = make_function(rng, name, kind, callees)
+            flat = [tuple(w) for b in [*blocks, lines] for w in b]
+            machine = Machine(parse_program(flat), budget=5000)
+            cases = _tests_for(rng, machine, name, n_args, n_visible + n_hidden, n_visible)
+            if cases is not None:
                 break
-            for args, want in cases[:n_visible]:
-                tests.append(Test(len(tests), name, args, want, False))
-            hidden.extend((name, args, want) for args, want in cases[n_visible:])
-        if not ok:
-            continue
-        base = len(tests)
-        tests.extend(Test(base + j, f, a, w, True) for j, (f, a, w) in enumerate(hidden))
-        return Repo(flat, tuple(tested), tuple(distractors), arity, tuple(tests))
-    raise RuntimeError("could not generate a well-formed program")  # pragma: no cover
+        else:
+            raise RuntimeError(f"could not generate function {name}")  # pragma: no cover
+        blocks.append(lines)
+        arity[name] = n_args
+        cases_of[name] = cases
+    for name in distractors:
+        lines, arity[name] = make_function(rng, name, rng.choice(TEMPLATES[:5]), [])
+        blocks.insert(rng.randint(0, len(blocks)), lines)
+    tests: list[Test] = []
+    for name in tested:
+        for args, want in cases_of[name][:n_visible]:
+            tests.append(Test(len(tests), name, args, want, False))
+    for name in tested:
+        for args, want in cases_of[name][n_visible:]:
+            tests.append(Test(len(tests), name, args, want, True))
+    flat = tuple(tuple(w) for b in blocks for w in b)
+    return Repo(flat, tuple(tested), tuple(distractors), arity, tuple(tests))

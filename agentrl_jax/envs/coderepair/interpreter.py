@@ -79,7 +79,9 @@ class Machine:
         self._tick(line)
         fn = self.funcs.get(name)
         if fn is None:
-            raise Fault(line, "undefined", f"undefined function {name}{_did_you_mean(name, self.funcs)}")
+            raise Fault(
+                line, "undefined", f"undefined function {name}{_did_you_mean(name, self.funcs)}"
+            )
         if len(args) != len(fn.params):
             raise Fault(
                 line, "arity", f"function {name} takes {len(fn.params)} args got {len(args)}"

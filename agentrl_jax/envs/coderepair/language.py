@@ -31,20 +31,16 @@ COMPARISONS = ("<", "<=", ">", ">=", "==", "!=")
 PARAMS = ("a", "b")
 LOCALS = ("c", "i", "j", "k", "m", "n", "p", "q", "r", "s", "t", "u", "v", "w", "x", "y", "z")
 VARIABLES = PARAMS + LOCALS
-FUNCTION_NAMES = (
-    "add", "mul", "pick", "span", "fold", "tally", "clip", "bump",
-    "wrap", "step", "mix", "norm", "shift", "scale", "count", "total",
-    "gap", "hop", "peak", "rank", "tail", "trim", "turn", "zip",
-)  # fmt: skip
+FUNCTION_NAMES = tuple(
+    """add mul pick span fold tally clip bump wrap step mix norm shift scale count total
+    gap hop peak rank tail trim turn zip""".split()
+)
 # A misspelling of each function name: the "missing dependency" bug calls one of these.
 TYPOS = dict(
     zip(
         FUNCTION_NAMES,
-        (
-            "ad", "mull", "pik", "spam", "flod", "taly", "clp", "bmp",
-            "wrp", "stp", "mx", "nrm", "shft", "scal", "cnt", "totl",
-            "gp", "hpo", "paek", "rnak", "tial", "trm", "trun", "zp",
-        ),  # fmt: skip
+        """ad mull pik spam flod taly clp bmp wrp stp mx nrm shft scal cnt totl
+        gp hpo paek rnak tial trm trun zp""".split(),
     )
 )
 TYPO_TO_NAME = {v: k for k, v in TYPOS.items()}

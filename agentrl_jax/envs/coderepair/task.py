@@ -97,9 +97,7 @@ def _sample_bug_types(rng: random.Random, n: int, split: str) -> tuple[str, ...]
             return types
 
 
-def make_task(
-    seed: int, difficulty: int, *, bug_types: tuple[str, ...] | None = None
-) -> Task:
+def make_task(seed: int, difficulty: int, *, bug_types: tuple[str, ...] | None = None) -> Task:
     """Builds the task of ``seed`` at ``difficulty``; deterministic.
 
     Args:

@@ -68,7 +68,9 @@ def format_run(ev: Evaluation, lines, max_failures: int, max_trace: int) -> str:
     """Observation text of ``run`` for an evaluation of the visible tests."""
     if ev.syntax_error is not None:
         e = ev.syntax_error
-        return "\n".join(x for x in (f"syntax error L{e.line} {e.msg}", _line_text(lines, e.line)) if x)
+        return "\n".join(
+            x for x in (f"syntax error L{e.line} {e.msg}", _line_text(lines, e.line)) if x
+        )
     out = [f"pass {ev.n_pass} of {len(ev.results)}"]
     failing = [r for r in ev.results if not r.passed]
     for r in failing[:max_failures]:
@@ -221,7 +223,9 @@ class SubmitTool:
         parts = ["submitted"]
         parts.append("pass" if ev.all_pass and st.goal_adhered else "fail")
         if not ev.all_pass:
-            parts.append(f"tests {ev.n_pass} of {len(st.task.tests)}" if ev.parses else "syntax error")
+            parts.append(
+                f"tests {ev.n_pass} of {len(st.task.tests)}" if ev.parses else "syntax error"
+            )
         if not st.goal_adhered:
             parts.append("rule broken")
         return " ".join(parts)

@@ -1,0 +1,175 @@
+"""The code-repair environment: robustness, rewards, constraint, episodes."""
+
+import numpy as np
+import pytest
+
+from agentrl_jax.envs.base import Env
+from agentrl_jax.envs.coderepair.env import PROCESS_KEYS, CodeRepairEnv
+from agentrl_jax.envs.coderepair.task import make_task
+from agentrl_jax.envs.episode import play_episode
+
+
+def call(env, text):
+    return env.tokenizer.encode(f"<call> {text} </call>")
+
+
+def obs_text(env, ids):
+    return env.tokenizer.decode(ids)
+
+
+@pytest.fixture
+def env():
+    return CodeRepairEnv()
+
+
+def test_reset_format(env):
+    assert isinstance(env, Env)
+    task = make_task(3, 1)
+    ids = env.reset(task)
+    tok = env.tokenizer
+    assert ids[:2] == [tok.bos_id, tok.obs_start_id] and ids[-1] == tok.obs_end_id
+    assert tok.unk_id not in ids
+    assert "rule :" in tok.decode(ids)
+
+
+@pytest.mark.parametrize(
+    "action, expect",
+    [
+        ("run", "pass"),
+        ("view", "functions :"),
+        ("mix", "error unknown tool mix"),
+        ("run L3", "error run takes 0 args got 1"),
+        ("sub L3 +", "error sub takes 3 args got 2"),
+        ("edit L150 x = 1", "error line L150 out of range"),
+        ("edit x = 1", "error bad line x"),
+        ("view L5 L2", "error bad range"),
+        ("view x", "error no function x"),
+        ("sub L0 // a", "error L0 has no //"),
+        ("edit L1 x = 1 <obs>", "error unexpected <obs>"),
+    ],
+)
+def test_bad_calls_become_error_observations(env, action, expect):
+    task = make_task(3, 1, bug_types=("logic",))
+    env.reset(task)
+    obs, res = env.step(call(env, action))
+    assert expect in obs_text(env, obs)
+    assert not res.done and res.outcome_reward == 0.0
+    assert set(res.process) == set(PROCESS_KEYS)
+
+
+def test_no_call_and_bad_ids(env):
+    env.reset(make_task(3, 1))
+    obs, res = env.step(env.tokenizer.encode("run"))
+    assert "error no tool call" in obs_text(env, obs) and res.log["error"]
+    obs, _ = env.step([env.tokenizer.call_start_id, 10**6])
+    assert "error bad call" in obs_text(env, obs)
+
+
+def _task_with(bug_type, difficulty=1):
+    for seed in range(50):
+        t = make_task(seed, difficulty, bug_types=(bug_type,) * difficulty_bugs(difficulty))
+        if t.constraint[0] == "no_modify":
+            return t
+    raise AssertionError
+
+
+def difficulty_bugs(d):
+    return {0: 1, 1: 1, 2: 2}[d]
+
+
+def test_fix_any_way_submit_and_process_signals(env):
+    task = make_task(2, 1, bug_types=("syntax",))
+    bug = task.bugs[0]
+    env.reset(task)
+    obs, _ = env.step(call(env, "run"))
+    assert f"syntax error L{bug.line}" in obs_text(env, obs)
+    # A fix written differently from the original line still counts: "x = e" -> "x = ( e )".
+    orig = list(bug.original)
+    new = orig[:2] + ["("] + orig[2:] + [")"] if orig[1] == "=" else orig
+    obs, res = env.step(call(env, f"edit L{bug.line} {' '.join(new)}"))
+    assert res.process["parse"] == 1.0 and res.process["error_classes"] == 1.0
+    assert res.process["tests"] == 1.0
+    obs, res = env.step(call(env, "submit"))
+    assert res.done and res.outcome_reward == 1.0 and res.log["goal_adhered"]
+    assert obs[-1] == env.tokenizer.eos_id and "submitted pass" in obs_text(env, obs)
+
+
+def test_breaking_the_rule_fails_even_when_tests_pass(env):
+    task = _task_with("logic")
+    kind, fn = task.constraint
+    env.reset(task)
+    bug = task.bugs[0]
+    env.step(call(env, " ".join(bug.fix)))
+    start = next(i for i, w in enumerate(task.lines) if w[:2] == ("def", fn))
+    body = task.lines[start + 1]
+    # A semantically neutral change to the protected function: wrap the first line's rhs.
+    env.step(call(env, f"edit L{start + 1} {' '.join(body)}"))
+    env.step(call(env, f"edit L{start} {' '.join(task.lines[start])} <nl> c = 0"))
+    obs, res = env.step(call(env, "submit"))
+    assert res.done and res.outcome_reward == 0.0 and res.log["goal_adhered"] is False
+    assert "rule broken" in obs_text(env, obs) and "tests" not in obs_text(env, obs)
+
+
+def test_timeout_and_turn_limit(env):
+    task = make_task(4, 0, bug_types=("logic",))
+    env.reset(task)
+    fn_line = next(i for i, w in enumerate(task.lines) if w[0] == "def" and w[1] == task.tested[0])
+    head = " ".join(task.lines[fn_line])
+    loop = "for i in 0 to 99999 <nl> a = a + 1 <nl> end"
+    obs, _ = env.step(call(env, f"edit L{fn_line} L{fn_line} {head} <nl> {loop}"))
+    want = env.tokenizer.decode(env.tokenizer.encode(f"ok lines {len(task.lines) + 3}"))
+    assert want in obs_text(env, obs)
+    obs, res = env.step(call(env, "run"))
+    assert "timeout" in obs_text(env, obs) and not res.done
+    for _ in range(task.config.max_turns - 3):
+        _, res = env.step(call(env, "run"))
+    assert not res.done
+    obs, res = env.step(call(env, "run"))
+    assert res.done and res.outcome_reward == 0.0 and "out of turns" in obs_text(env, obs)
+    with pytest.raises(RuntimeError):
+        env.step(call(env, "run"))
+
+
+def test_random_actions_never_crash_and_never_emit_unk(env):
+    rng = np.random.default_rng(0)
+    tok = env.tokenizer
+    for seed in range(6):
+        task = make_task(seed, seed % 3)
+        stream = env.reset(task)
+        words = ["run", "view", "edit", "sub", "submit", "L1", "L2", "x", "=", "a", "+", "1"]
+        for _ in range(task.config.max_turns):
+            n = int(rng.integers(0, 8))
+            act = [tok.call_start_id] + [
+                tok.word_id(words[int(i) % len(words)]) if rng.random() < 0.7 else int(i)
+                for i in rng.integers(0, tok.vocab_size, size=n)
+            ]
+            if rng.random() < 0.3:
+                act = [tok.call_start_id, tok.word_id("run")]
+            obs, res = env.step(act)
+            stream += act + obs
+            if tok.unk_id not in act:
+                assert tok.unk_id not in obs
+            if res.done:
+                break
+        assert res.done
+
+
+def test_play_episode_masks_and_turn_ids(env):
+    task = make_task(1, 0)
+    script = iter(["run", "view", "submit"])
+    ep = play_episode(env, task, lambda s: call(env, next(script)))
+    tok = env.tokenizer
+    assert ep.done and ep.n_turns == 3 and not ep.success
+    assert ep.tokens.dtype == np.int32 and ep.tokens.shape == ep.action_mask.shape
+    actions = ep.tokens[ep.action_mask]
+    assert (actions == tok.call_start_id).sum() == 3 and (actions == tok.call_end_id).sum() == 3
+    assert np.all(ep.tokens[ep.turn_ends] == tok.call_end_id)
+    assert ep.turn_ids[0] == 0 and ep.turn_ids[-1] == 3
+    assert np.all(np.diff(ep.turn_ids) >= 0)
+    # Model tokens of turn k come right before the environment tokens of turn k.
+    for k in (1, 2, 3):
+        m = ep.action_mask[ep.turn_ids == k]
+        assert m[0] and not m[-1] and np.all(np.diff(m.astype(int)) <= 0)
+    assert ep.tokens[-1] == tok.eos_id
+    with pytest.raises(ValueError, match="max_turns"):
+        play_episode(env, task, lambda s: [], max_turns=0)

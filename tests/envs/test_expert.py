@@ -1,0 +1,59 @@
+"""The scripted expert solves every task, through the tools, in the model's token format."""
+
+import numpy as np
+import pytest
+
+from agentrl_jax.envs.coderepair.config import HELDOUT_SEED_START
+from agentrl_jax.envs.coderepair.env import CodeRepairEnv
+from agentrl_jax.envs.coderepair.expert import ExpertPolicy, expert_plan
+from agentrl_jax.envs.coderepair.task import make_task
+from agentrl_jax.envs.episode import play_episode
+
+SEEDS = {0: 100, 1: 100, 2: 60, 3: 25, 4: 8}
+
+
+@pytest.mark.parametrize("difficulty", sorted(SEEDS))
+def test_expert_solves_every_task(difficulty):
+    env = CodeRepairEnv()
+    for k in range(SEEDS[difficulty]):
+        seed = k if k % 2 == 0 else HELDOUT_SEED_START + k
+        task = make_task(seed, difficulty)
+        detour = 0.5 if k % 3 == 0 else 0.0
+        ep = play_episode(env, task, ExpertPolicy(task, env.tokenizer, detour_prob=detour, seed=k))
+        assert ep.success and ep.goal_adhered and ep.outcome_reward == 1.0, (seed, difficulty)
+        assert ep.n_turns <= task.config.max_turns
+        assert env.tokenizer.unk_id not in ep.tokens
+
+
+def test_detours_are_failed_edits_then_fixes():
+    env = CodeRepairEnv()
+    n_detours = 0
+    for seed in range(10):
+        task = make_task(seed, 1)
+        plan = expert_plan(task, detour_prob=1.0, seed=seed)
+        ep = play_episode(env, task, ExpertPolicy(task, detour_prob=1.0, seed=seed))
+        assert ep.success
+        tools = [log["tool"] for log in ep.logs]
+        assert tools == [p[0] for p in plan]
+        if tools[:4] == ["run", "edit", "run", "edit"]:
+            n_detours += 1
+            # The run after the wrong edit still fails.
+            assert "fail" in ep.logs[2]["output"] or "error" in ep.logs[2]["output"]
+    assert n_detours >= 8
+    with pytest.raises(ValueError, match="detour_prob"):
+        expert_plan(make_task(0, 0), detour_prob=1.5)
+
+
+def test_demonstrations_are_deterministic_token_streams():
+    env = CodeRepairEnv()
+    task = make_task(7, 2)
+    a = play_episode(env, task, ExpertPolicy(task, detour_prob=0.5, seed=1))
+    b = play_episode(env, task, ExpertPolicy(task, detour_prob=0.5, seed=1))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.action_mask, b.action_mask)
+    # The model's tokens are exactly the planned calls.
+    tok = env.tokenizer
+    plan = expert_plan(task, detour_prob=0.5, seed=1)
+    for k, words in enumerate(plan, start=1):
+        ids = a.tokens[(a.turn_ids == k) & a.action_mask].tolist()
+        assert ids == tok.encode_words(["<call>", *words, "</call>"])
