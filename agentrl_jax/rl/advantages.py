@@ -111,6 +111,8 @@ def validate_inputs(inputs: CreditInputs, required: tuple[str, ...] = ()) -> Non
     """
     if inputs.action_mask.ndim != 2:
         raise ValueError(f"action_mask must be [B, T], got shape {inputs.action_mask.shape}")
+    if inputs.action_mask.dtype != jnp.bool_:
+        raise ValueError(f"action_mask must be bool, got {inputs.action_mask.dtype}")
     b, t = inputs.action_mask.shape
     expected = {
         "turn_ids": (b, t),

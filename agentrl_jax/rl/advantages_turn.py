@@ -88,6 +88,8 @@ def attn_credit(
       A[b, t] = A_ep(b) * n * w_{turn(t)}
 
     so the turn average of the per-turn advantage is A_ep and (alpha > 0) no turn gets zero.
+    Every action turn receives credit, the final ones included: to credit only earlier turns,
+    zero ``attn_credit`` on the final turns' own tokens (they then keep the uniform share).
 
     Raises:
       ValueError: if ``attn_credit`` is None, uniform_mix outside (0, 1], eps <= 0, or

@@ -257,7 +257,8 @@ def policy_loss(
       KL(old || new)), ratio_mean/min/max, kl, entropy, correction fractions).
 
     Raises:
-      ValueError: on shape mismatch or a missing input the config needs.
+      ValueError: on a shape mismatch, a non-bool mask, or a missing input the config needs
+        (logp_ref for kl_coef > 0, entropy for entropy_coef > 0, logp_rollout for corrections).
     """
     shape = tuple(logp_new.shape)
     if len(shape) != 2:
@@ -267,6 +268,11 @@ def policy_loss(
     for field, value in named.items():
         if value is not None and tuple(value.shape) != shape:
             raise ValueError(f"{field} must have shape {shape}, got {tuple(value.shape)}")
+    if mask.dtype != jnp.bool_:
+        raise ValueError(f"mask must be bool, got {mask.dtype}")
+    corrections = [f for f in ("tis_cap", "icepop_band", "geo_band") if getattr(cfg, f) is not None]
+    if corrections and logp_rollout is None:
+        raise ValueError(f"logp_rollout is required when {', '.join(corrections)} is set")
     if cfg.kl_coef > 0 and logp_ref is None:
         raise ValueError("logp_ref is required when kl_coef > 0")
     if cfg.entropy_coef > 0 and entropy is None:

@@ -97,7 +97,8 @@ def mismatch_metrics(
       routing_agreement, routing_exact_agreement.
 
     Raises:
-      ValueError: on a shape mismatch, or when only one of the route arrays is given.
+      ValueError: on a shape mismatch, a non-bool mask, or when only one of the route arrays is
+        given.
     """
     shape = tuple(logp_train.shape)
     if len(shape) != 2:
@@ -105,6 +106,8 @@ def mismatch_metrics(
     for field, value in (("logp_rollout", logp_rollout), ("mask", mask)):
         if tuple(value.shape) != shape:
             raise ValueError(f"{field} must have shape {shape}, got {tuple(value.shape)}")
+    if mask.dtype != jnp.bool_:
+        raise ValueError(f"mask must be bool, got {mask.dtype}")
     if seq_mask is not None and tuple(seq_mask.shape) != shape[:1]:
         raise ValueError(f"seq_mask must have shape {shape[:1]}, got {tuple(seq_mask.shape)}")
     if (routes_train is None) != (routes_rollout is None):

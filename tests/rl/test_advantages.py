@@ -423,6 +423,7 @@ def test_unknown_name_lists_known():
         ("attn_credit", {}, INPUTS._replace(attn_credit=None), "attn_credit"),
         ("attn_credit", {"uniform_mix": 0.0}, INPUTS, "uniform_mix"),
         ("orm", {}, INPUTS._replace(outcome_reward=jnp.zeros((5,))), "outcome_reward"),
+        ("orm", {}, INPUTS._replace(action_mask=jnp.asarray(MASK, jnp.int32)), "action_mask"),
         ("orm", {}, INPUTS._replace(turn_ids=jnp.zeros((6, 5), jnp.int32)), "turn_ids"),
     ],
 )

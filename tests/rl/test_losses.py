@@ -23,12 +23,22 @@ SURROGATE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("a,r,expected,clip,low,high,dual", SURROGATE_CASES)
-def test_ppo_surrogate_hand_computed(a, r, expected, clip, low, high, dual):
-    loss, flags = losses.ppo_surrogate(jnp.array([[r]]), jnp.array([[a]]), CFG)
-    np.testing.assert_allclose(float(loss[0, 0]), expected, rtol=1e-6)
-    got = [float(flags[k][0, 0]) for k in ("clipped", "clipped_low", "clipped_high")]
-    assert got + [float(flags["dual_clipped"][0, 0])] == [clip, low, high, dual]
+@functools.cache
+def _surrogate_all():
+    """Runs every SURROGATE_CASES row in one jitted call (one compile for all cases)."""
+    a = jnp.array([[c[0] for c in SURROGATE_CASES]])
+    r = jnp.array([[c[1] for c in SURROGATE_CASES]])
+    loss, flags = jax.jit(losses.ppo_surrogate, static_argnums=2)(r, a, CFG)
+    return np.asarray(loss)[0], {k: np.asarray(v)[0] for k, v in flags.items()}
+
+
+@pytest.mark.parametrize("i", range(len(SURROGATE_CASES)))
+def test_ppo_surrogate_hand_computed(i):
+    expected, *indicators = SURROGATE_CASES[i][2:]
+    loss, flags = _surrogate_all()
+    np.testing.assert_allclose(loss[i], expected, rtol=1e-6)
+    names = ("clipped", "clipped_low", "clipped_high", "dual_clipped")
+    assert [float(flags[k][i]) for k in names] == indicators
 
 
 LOSS_MAT = jnp.array([[1.0, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]])
@@ -46,7 +56,7 @@ AGG_MASK = jnp.array([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], bool)
     ],
 )
 def test_aggregate_hand_computed(mode, norm, expected):
-    out = losses.aggregate(LOSS_MAT, AGG_MASK, mode, norm)
+    out = jax.jit(losses.aggregate, static_argnums=(2, 3))(LOSS_MAT, AGG_MASK, mode, norm)
     np.testing.assert_allclose(float(out), expected, rtol=1e-6)
 
 
@@ -56,7 +66,8 @@ def test_aggregate_hand_computed(mode, norm, expected):
 )
 def test_kl_estimators_hand_computed(estimator, expected):
     logp, ref = jnp.array([-1.0, -2.0]), jnp.array([-1.5, -1.0])
-    np.testing.assert_allclose(losses.kl_penalty(logp, ref, estimator), expected, rtol=1e-6)
+    out = jax.jit(losses.kl_penalty, static_argnums=2)(logp, ref, estimator)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
 
 
 def test_correction_weights_hand_computed():
@@ -64,8 +75,8 @@ def test_correction_weights_hand_computed():
     mask = jnp.array([[1, 1, 1, 1], [1, 1, 1, 0]], bool)
     logp_old = jnp.full((2, 4), -1.0)
     logp_rollout = logp_old - jnp.log(jnp.asarray(rho, jnp.float32))
-    cfg = LossConfig(tis_cap=2.0)
-    w, m = losses.correction_weights(logp_old, logp_rollout, mask, cfg)
+    weights = jax.jit(losses.correction_weights, static_argnums=3)
+    w, m = weights(logp_old, logp_rollout, mask, LossConfig(tis_cap=2.0))
     np.testing.assert_allclose(w, [[0.5, 1, 2, 1.2], [1, 1, 0.9, 2]], rtol=1e-5)
     np.testing.assert_allclose(m["tis_truncated_frac"], 1 / 7, rtol=1e-6)
     w, m = losses.correction_weights(
@@ -75,7 +86,7 @@ def test_correction_weights_hand_computed():
     np.testing.assert_allclose(m["icepop_dropped_frac"], 2 / 7, rtol=1e-6)
     # geometric means: row 0 1.8 ** (1/4) = 1.158 (rejected); row 1 0.9 ** (1/3) (the masked
     # 100 must not count)
-    w, m = losses.correction_weights(logp_old, logp_rollout, mask, LossConfig(geo_band=(0.8, 1.1)))
+    w, m = weights(logp_old, logp_rollout, mask, LossConfig(geo_band=(0.8, 1.1)))
     np.testing.assert_array_equal(w, [[0, 0, 0, 0], [1, 1, 1, 1]])
     np.testing.assert_allclose(m["geo_rejected_seq_frac"], 0.5)
 
@@ -92,13 +103,12 @@ def test_policy_loss_hand_computed_total():
         moe_lb_coef=0.01,
         moe_z_coef=0.001,
     )
-    loss, m = losses.policy_loss(
+    loss, m = jax.jit(functools.partial(losses.policy_loss, cfg=cfg))(
         logp_new,
         logp_old,
         None,
         jnp.array([[1.0, -1.0]]),
         jnp.ones((1, 2), bool),
-        cfg,
         logp_ref=logp_new - jnp.array([[0.1, 0.3]]),
         entropy=jnp.array([[1.0, 3.0]]),
         moe_lb_loss=jnp.float32(0.7),
@@ -124,7 +134,7 @@ def test_policy_loss_gradient_hand_computed():
     fn = lambda lp: losses.policy_loss(
         lp, logp_old, logp_rollout, adv_, jnp.ones((1, 4), bool), cfg
     )[0]
-    grad = jax.grad(fn)(logp_old + jnp.log(ratio))
+    grad = jax.jit(jax.grad(fn))(logp_old + jnp.log(ratio))
     np.testing.assert_allclose(grad, [[0.0, 0.0, -1.0 * 0.5 * 2.0 / 4, 2.0 * 1.1 / 4]], rtol=1e-5)
 
 
@@ -282,5 +292,9 @@ def test_policy_loss_input_validation():
         losses.policy_loss(x, x, None, jnp.zeros((2, 4)), m, LossConfig())
     with pytest.raises(ValueError, match="logp_ref"):
         losses.policy_loss(x, x, None, x, m, LossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="mask must be bool"):
+        losses.policy_loss(x, x, None, x, m.astype(jnp.float32), LossConfig())
+    with pytest.raises(ValueError, match="logp_rollout is required when tis_cap"):
+        losses.policy_loss(x, x, None, x, m, LossConfig(tis_cap=2.0))
     with pytest.raises(ValueError, match="entropy"):
         losses.policy_loss(x, x, None, x, m, LossConfig(entropy_coef=0.1))

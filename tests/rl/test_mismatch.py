@@ -115,6 +115,7 @@ def test_empty_mask_is_finite_and_neutral():
     [
         ({"logp_rollout": jnp.zeros((2, 3))}, "logp_rollout"),
         ({"mask": jnp.ones((2,), bool)}, "mask"),
+        ({"mask": jnp.ones((2, 4), jnp.float32)}, "mask must be bool"),
         ({"seq_mask": jnp.ones((3,), bool)}, "seq_mask"),
         ({"routes_train": jnp.zeros((2, 4, 1, 2), jnp.int32)}, "together"),
         (
