@@ -54,9 +54,10 @@ def _init(std: float, names: tuple):
 def _expert_einsum(policy: DTypePolicy, subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """``policy.einsum`` for batched per-expert matmuls.
 
-    XLA:CPU has no DotThunk for low-precision inputs with a wider accumulator in some batched
-    dots, so on CPU the inputs are rounded to the compute dtype first and multiplied in the
-    accumulation dtype: the same numbers, a kernel every backend has.
+    Some XLA:CPU builds reject bf16 x bf16 -> f32 batched dots ("Unsupported element type for
+    DotThunk"; seen in this project, not on jax 0.10.2), so on CPU the inputs are rounded to the
+    compute dtype first and multiplied in the accumulation dtype: the same numbers, a dot every
+    CPU build has.
     """
     if jax.default_backend() != "cpu" or policy.compute == policy.accum:
         return policy.einsum(subscripts, x, w)
@@ -81,9 +82,15 @@ class MLP(nn.Module):
         if x.ndim != 3 or x.shape[-1] != cfg.d_model:
             raise ValueError(f"MLP input x.shape={x.shape} must be [B, T, d_model={cfg.d_model}]")
         std_out = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        w_gate = self.param("w_gate", _init(cfg.init_std, ("embed", "mlp")), (cfg.d_model, cfg.d_ff), pol.param)
-        w_up = self.param("w_up", _init(cfg.init_std, ("embed", "mlp")), (cfg.d_model, cfg.d_ff), pol.param)
-        w_down = self.param("w_down", _init(std_out, ("mlp", "embed")), (cfg.d_ff, cfg.d_model), pol.param)
+        w_gate = self.param(
+            "w_gate", _init(cfg.init_std, ("embed", "mlp")), (cfg.d_model, cfg.d_ff), pol.param
+        )
+        w_up = self.param(
+            "w_up", _init(cfg.init_std, ("embed", "mlp")), (cfg.d_model, cfg.d_ff), pol.param
+        )
+        w_down = self.param(
+            "w_down", _init(std_out, ("mlp", "embed")), (cfg.d_ff, cfg.d_model), pol.param
+        )
         h = nn.silu(pol.einsum("BTD,DF->BTF", x, w_gate)) * pol.einsum("BTD,DF->BTF", x, w_up)
         return pol.einsum("BTF,FD->BTD", h, w_down)
 
@@ -120,7 +127,8 @@ def load_balance_loss(
 
     Args:
       probs: [N, E] router probabilities.
-      routes: int [N, K] chosen experts; ``f_e`` is the share of valid (token, slot) pairs sent to e.
+      routes: int [N, K] chosen experts; ``f_e`` is the share of valid (token, slot) pairs
+        sent to expert e.
       valid: bool [N].
       n_experts: E.
 
@@ -130,7 +138,11 @@ def load_balance_loss(
     m = valid.astype(jnp.float32)
     n_valid = jnp.maximum(jnp.sum(m), 1.0)
     k = routes.shape[-1]
-    counts = jnp.zeros((n_experts,), jnp.float32).at[routes].add(jnp.broadcast_to(m[:, None], routes.shape))
+    counts = (
+        jnp.zeros((n_experts,), jnp.float32)
+        .at[routes]
+        .add(jnp.broadcast_to(m[:, None], routes.shape))
+    )
     frac = counts / (n_valid * k)
     mean_prob = jnp.sum(probs.astype(jnp.float32) * m[:, None], axis=0) / n_valid
     return n_experts * jnp.sum(frac * mean_prob)
@@ -147,7 +159,17 @@ def _expert_ffn(buf, w_gate, w_up, w_down, policy, tensor_axis):
 
 
 def dispatch_combine(
-    x, routes, gates, valid, w_gate, w_up, w_down, *, capacity, policy, expert_axis=None,
+    x,
+    routes,
+    gates,
+    valid,
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    capacity,
+    policy,
+    expert_axis=None,
     tensor_axis=None,
 ):
     """Routed expert outputs for one token shard (called directly or inside ``shard_map``).
@@ -223,7 +245,11 @@ class MoE(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, *, valid: jax.Array | None = None, replay_routes: jax.Array | None = None
+        self,
+        x: jax.Array,
+        *,
+        valid: jax.Array | None = None,
+        replay_routes: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """Applies the layer.
 
@@ -258,25 +284,40 @@ class MoE(nn.Module):
         token_axes = tuple(a for a in TOKEN_AXES if a in sizes) if ep else ()
         n_token_shards = int(np.prod([sizes[a] for a in token_axes])) if ep else 1
         if ep and e % sizes["expert"]:
-            raise ValueError(f"ModelConfig.n_experts={e} must be a multiple of mesh expert={sizes['expert']}")
+            raise ValueError(
+                f"ModelConfig.n_experts={e} must be a multiple of mesh expert={sizes['expert']}"
+            )
         if (b * t) % n_token_shards:
-            raise ValueError(f"MoE tokens B*T={b * t} must be a multiple of {n_token_shards} (mesh {token_axes})")
+            raise ValueError(
+                f"MoE tokens B*T={b * t} must be a multiple of {n_token_shards} (mesh {token_axes})"
+            )
         tp = ep and sizes.get("tensor", 1) > 1
         if tp and f % sizes["tensor"]:
-            raise ValueError(f"ModelConfig.d_expert={f} must be a multiple of mesh tensor={sizes['tensor']}")
+            raise ValueError(
+                f"ModelConfig.d_expert={f} must be a multiple of mesh tensor={sizes['tensor']}"
+            )
 
         std_out = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         w_router = self.param("router", _init(cfg.init_std, ("embed", None)), (dm, e), pol.param)
-        w_gate = self.param("w_gate", _init(cfg.init_std, ("expert", "embed", "expert_mlp")), (e, dm, f), pol.param)
-        w_up = self.param("w_up", _init(cfg.init_std, ("expert", "embed", "expert_mlp")), (e, dm, f), pol.param)
-        w_down = self.param("w_down", _init(std_out, ("expert", "expert_mlp", "embed")), (e, f, dm), pol.param)
+        w_gate = self.param(
+            "w_gate", _init(cfg.init_std, ("expert", "embed", "expert_mlp")), (e, dm, f), pol.param
+        )
+        w_up = self.param(
+            "w_up", _init(cfg.init_std, ("expert", "embed", "expert_mlp")), (e, dm, f), pol.param
+        )
+        w_down = self.param(
+            "w_down", _init(std_out, ("expert", "expert_mlp", "embed")), (e, f, dm), pol.param
+        )
 
         n = b * t
         xf = x.reshape(n, dm)
         vf = jnp.ones((n,), bool) if valid is None else valid.reshape(n).astype(bool)
         logits = jnp.einsum(
-            "ND,DE->NE", xf.astype(pol.router), w_router.astype(pol.router),
-            precision=_HIGHEST, preferred_element_type=pol.router,
+            "ND,DE->NE",
+            xf.astype(pol.router),
+            w_router.astype(pol.router),
+            precision=_HIGHEST,
+            preferred_element_type=pol.router,
         )
         replay = None if replay_routes is None else replay_routes.reshape(n, k)
         probs, routes, gates = route(logits, k, replay)
@@ -286,27 +327,52 @@ class MoE(nn.Module):
             tok, ex = P(token_axes), P(token_axes, None)
             fax = "tensor" if tp else None
             fn = jax.shard_map(
-                lambda *a: dispatch_combine(*a, capacity=cap, policy=pol, expert_axis="expert",
-                                            tensor_axis=fax),
+                lambda *a: dispatch_combine(
+                    *a, capacity=cap, policy=pol, expert_axis="expert", tensor_axis=fax
+                ),
                 mesh=mesh,
-                in_specs=(ex, ex, ex, tok, P("expert", None, fax), P("expert", None, fax),
-                          P("expert", fax, None)),
+                in_specs=(
+                    ex,
+                    ex,
+                    ex,
+                    tok,
+                    P("expert", None, fax),
+                    P("expert", None, fax),
+                    P("expert", fax, None),
+                ),
                 out_specs=(ex, ex),
             )
             y, keep = fn(xf.astype(pol.compute), routes, gates, vf, w_gate, w_up, w_down)
         else:
-            y, keep = dispatch_combine(xf.astype(pol.compute), routes, gates, vf, w_gate, w_up,
-                                       w_down, capacity=cap, policy=pol)
+            y, keep = dispatch_combine(
+                xf.astype(pol.compute),
+                routes,
+                gates,
+                vf,
+                w_gate,
+                w_up,
+                w_down,
+                capacity=cap,
+                policy=pol,
+            )
         y = y.reshape(b, t, dm)
 
         if cfg.n_shared_experts:
             fs = cfg.n_shared_experts * f
-            s_gate = self.param("shared_gate", _init(cfg.init_std, ("embed", "mlp")), (dm, fs), pol.param)
-            s_up = self.param("shared_up", _init(cfg.init_std, ("embed", "mlp")), (dm, fs), pol.param)
-            s_down = self.param("shared_down", _init(std_out, ("mlp", "embed")), (fs, dm), pol.param)
+            s_gate = self.param(
+                "shared_gate", _init(cfg.init_std, ("embed", "mlp")), (dm, fs), pol.param
+            )
+            s_up = self.param(
+                "shared_up", _init(cfg.init_std, ("embed", "mlp")), (dm, fs), pol.param
+            )
+            s_down = self.param(
+                "shared_down", _init(std_out, ("mlp", "embed")), (fs, dm), pol.param
+            )
             xc = x.astype(pol.compute)
             h = nn.silu(pol.einsum("BTD,DF->BTF", xc, s_gate)) * pol.einsum("BTD,DF->BTF", xc, s_up)
-            y = (y.astype(pol.accum) + pol.einsum("BTF,FD->BTD", h, s_down).astype(pol.accum)).astype(pol.compute)
+            y = (
+                y.astype(pol.accum) + pol.einsum("BTF,FD->BTD", h, s_down).astype(pol.accum)
+            ).astype(pol.compute)
 
         m = vf.astype(jnp.float32)
         n_valid = jnp.maximum(jnp.sum(m), 1.0)
@@ -339,7 +405,11 @@ def moe_reference(params, x, cfg: ModelConfig, *, valid=None, replay_routes=None
     logits = jnp.einsum("BTD,DE->BTE", x, params["router"].astype(jnp.float32), precision=hi)
     probs = jnp.clip(jnp.exp(logits - jax.nn.logsumexp(logits, -1, keepdims=True)), PROB_MIN, 1.0)
     k = cfg.experts_per_token
-    routes = jnp.argsort(-probs, axis=-1, stable=True)[..., :k] if replay_routes is None else replay_routes
+    routes = (
+        jnp.argsort(-probs, axis=-1, stable=True)[..., :k]
+        if replay_routes is None
+        else replay_routes
+    )
     top = jnp.take_along_axis(probs, routes, axis=-1)
     gates = top / jnp.sum(top, -1, keepdims=True)
     if keep is not None:
