@@ -104,7 +104,8 @@ def make_task(seed: int, difficulty: int, *, bug_types: tuple[str, ...] | None =
       seed: in ``[0, MAX_SEED)``; the range decides the split (``config.split_of``).
       difficulty: level in ``[0, len(DIFFICULTIES))``.
       bug_types: force these bug types (length must equal the level's ``n_bugs``); by default
-        they are sampled uniformly, excluding ``HELDOUT_COMBO`` for train seeds.
+        they are sampled uniformly, excluding ``HELDOUT_COMBO`` for train seeds (forced types
+        are used as given, whatever the split).
 
     Raises:
       ValueError: bad seed, difficulty, bug type or number of bug types.
