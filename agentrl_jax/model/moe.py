@@ -210,7 +210,7 @@ def dispatch_combine(
         out = jax.lax.all_to_all(out, expert_axis, 1, 0, tiled=True)
     out = jnp.concatenate([out.reshape(n_exp * cap, d), jnp.zeros((1, d), out.dtype)], axis=0)
     pair_out = out[slot].astype(policy.accum)  # [K*N, D]; dropped pairs read the zero row
-    w = (gates.T.reshape(-1) * keep).astype(policy.accum)
+    w = jnp.where(keep, gates.T.reshape(-1), 0).astype(policy.accum)
     y = jnp.sum((pair_out * w[:, None]).reshape(k, n, d), axis=0)
     return y.astype(policy.compute), keep.reshape(k, n).T
 
@@ -257,7 +257,8 @@ class MoE(nn.Module):
           x: [B, T, D] compute dtype.
           valid: optional bool [B, T]; False rows (padding) take no capacity, get no routed
             output and are left out of the auxiliary losses.
-          replay_routes: optional int [B, T, K] experts to use (routing replay).
+          replay_routes: optional int [B, T, K] experts to use (routing replay). Entries must
+            lie in [0, E) on valid rows (out of range gives NaN gates); padding rows are ignored.
 
         Returns:
           y [B, T, D] compute dtype; routes int32 [B, T, K]; aux dict of float32 scalars
@@ -319,7 +320,9 @@ class MoE(nn.Module):
             precision=_HIGHEST,
             preferred_element_type=pol.router,
         )
-        replay = None if replay_routes is None else replay_routes.reshape(n, k)
+        replay = None
+        if replay_routes is not None:  # padding rows may hold anything (e.g. -1): neutralise them
+            replay = jnp.where(vf[:, None], replay_routes.reshape(n, k), jnp.arange(k))
         probs, routes, gates = route(logits, k, replay)
 
         cap = cfg.capacity(n // n_token_shards)
@@ -385,6 +388,8 @@ class MoE(nn.Module):
             "aux_loss": cfg.router_aux_weight * lb + cfg.router_z_weight * z,
             "dropped_fraction": dropped,
         }
+        if replay_routes is not None:  # hand back exactly what was replayed, padding included
+            return y, replay_routes.astype(jnp.int32), aux
         return y, routes.reshape(b, t, k), aux
 
 

@@ -188,6 +188,11 @@ def test_replay_reproduces_outputs_and_reaches_router():
     np.testing.assert_array_equal(routes3, other)
     y3_ref, _ = _ref(PARAMS, x, CFG, valid=valid, replay_routes=other, keep=ALL)
     np.testing.assert_allclose(y3, y3_ref, **TOL)
+    # padding rows' replay entries are ignored, even invalid ones
+    bad = jnp.where(valid[..., None], other, -1)
+    y4, _, _ = _apply(PARAMS, x, valid, bad)
+    assert np.isfinite(np.asarray(y4)).all()
+    np.testing.assert_array_equal(np.asarray(y4)[VALID], np.asarray(y3)[VALID])
     # the router gets gradient through the replayed gates alone (no aux loss in this loss)
     grads, _, _ = _grad(PARAMS, x, valid, other, with_aux=False)
     assert all(np.isfinite(np.asarray(g)).all() for g in grads.values())
