@@ -62,3 +62,57 @@ def check_gqa(q_heads: int, kv_heads: int) -> int:
     if kv_heads < 1 or q_heads % kv_heads:
         raise ValueError(f"{q_heads=} must be a positive multiple of {kv_heads=}")
     return q_heads // kv_heads
+
+
+def online_softmax_step(
+    carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, v: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One flash-attention step: folds a block of masked logits into fp32 (m_i, l_i, acc).
+
+    Args:
+      carry: running max m_i [R], normaliser l_i [R], unnormalised output acc [R, H] (fp32).
+      s: [R, C] fp32 logits of this key block, -inf where masked.
+      v: [C, H] values of this key block (input dtype; the probabilities are cast to it).
+    """
+    m_prev, l_prev, acc = carry
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
+    alpha = jnp.exp(m_prev - m_safe)
+    p = jnp.exp(s - m_safe[:, None])
+    pv = jax.lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    return m_new, alpha * l_prev + jnp.sum(p, axis=-1), alpha[:, None] * acc + pv
+
+
+def online_softmax_init(rows: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Initial fp32 (m_i, l_i, acc) for ``rows`` query rows."""
+    return (
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, head_dim), jnp.float32),
+    )
+
+
+def online_softmax_finish(
+    carry: tuple[jax.Array, jax.Array, jax.Array],
+) -> tuple[jax.Array, jax.Array]:
+    """Returns (out [R, H] fp32, logsumexp [R]); rows that saw no key give out 0, lse +inf."""
+    m_i, l_i, acc = carry
+    visible = l_i > 0
+    l_safe = jnp.where(visible, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = jnp.where(visible, m_i + jnp.log(l_safe), jnp.inf)
+    return out, lse
+
+
+def qk_logits(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
+    """[R, H] x [C, H] -> fp32 [R, C] logits times ``scale``."""
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return s * scale
+
+
+def matmul_f32(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
+    """2-D matmul contracting ``a`` dim contract[0] with ``b`` dim contract[1], fp32 result."""
+    dims = (((contract[0],), (contract[1],)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)

@@ -11,13 +11,17 @@ from agentrl_jax.kernels import (
     block_sparse_attention_reference,
     sliding_window_attention_reference,
 )
+from agentrl_jax.kernels.block_sparse_pallas import block_sparse_attention_pallas
 
 # One unoptimised XLA compile per case: XLA's CPU backend optimisations dominate test time.
 fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 # Per input dtype; bf16 outputs are rounded to bf16 and P@V takes bf16 probabilities.
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 GRAD_TOL = dict(atol=1e-4, rtol=1e-4)  # float32 inputs
-IMPLS = [("xla", False)]
+IMPLS = {
+    "xla": functools.partial(block_sparse_attention, impl="xla"),
+    "pallas": functools.partial(block_sparse_attention_pallas, interpret=True),
+}
 
 
 def _inputs(b, t, kh, g, d, dtype, n_sel, block_size, seed=0):
@@ -37,23 +41,27 @@ def _inputs(b, t, kh, g, d, dtype, n_sel, block_size, seed=0):
 def test_reference_no_selection_is_zero_and_all_blocks_is_dense():
     q, k, v, _ = _inputs(1, 12, 2, 2, 8, jnp.float32, 1, 4)
     none = -jnp.ones((1, 12, 2, 2), jnp.int32)
-    out = block_sparse_attention_reference(q, k, v, none, block_size=4)
-    np.testing.assert_array_equal(out, 0.0)
     every = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (1, 12, 2, 3))
-    out = block_sparse_attention_reference(q, k, v, every, block_size=4)
-    dense = sliding_window_attention_reference(q, k, v, window=12)
+
+    @fast_jit
+    def run(q, k, v):
+        ref = functools.partial(block_sparse_attention_reference, block_size=4)
+        dense = sliding_window_attention_reference(q, k, v, window=12)
+        return ref(q, k, v, none), ref(q, k, v, every), dense
+
+    out_none, out, dense = run(q, k, v)
+    np.testing.assert_array_equal(out_none, 0.0)
     np.testing.assert_allclose(out, dense, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl,interpret", IMPLS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("g", [1, 4, 8])
-def test_matches_reference(impl, interpret, dtype, g):
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("g,dtype", [(1, jnp.float32), (4, jnp.bfloat16), (8, jnp.float32)])
+def test_matches_reference(impl, g, dtype):
     q, k, v, idx = _inputs(2, 20, 2, g, 16, dtype, n_sel=3, block_size=4, seed=g)
 
     @fast_jit
     def both(q, k, v, idx):
-        out = block_sparse_attention(q, k, v, idx, block_size=4, impl=impl, interpret=interpret)
+        out = IMPLS[impl](q, k, v, idx, block_size=4)
         return out, block_sparse_attention_reference(q, k, v, idx, block_size=4)
 
     out, ref = both(q, k, v, idx)
@@ -64,27 +72,27 @@ def test_matches_reference(impl, interpret, dtype, g):
     )
 
 
-@pytest.mark.parametrize("impl,interpret", IMPLS)
-def test_all_blocks_equal_dense_causal(impl, interpret):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_blocks_equal_dense_causal(impl):
     q, k, v, _ = _inputs(1, 16, 2, 4, 16, jnp.float32, 1, 4, seed=5)
     every = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32)[::-1], (1, 16, 2, 4))
 
     @fast_jit
     def both(q, k, v):
-        out = block_sparse_attention(q, k, v, every, block_size=4, impl=impl, interpret=interpret)
+        out = IMPLS[impl](q, k, v, every, block_size=4)
         return out, sliding_window_attention_reference(q, k, v, window=16)
 
     out, dense = both(q, k, v)
     np.testing.assert_allclose(out, dense, **TOL[jnp.float32])
 
 
-@pytest.mark.parametrize("impl,interpret", IMPLS)
-def test_gradients_match_reference(impl, interpret):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradients_match_reference(impl):
     q, k, v, idx = _inputs(1, 16, 2, 4, 16, jnp.float32, n_sel=2, block_size=4, seed=11)
     w = jnp.asarray(np.random.default_rng(12).standard_normal(q.shape, np.float32))
 
     def fn(q, k, v):
-        return block_sparse_attention(q, k, v, idx, block_size=4, impl=impl, interpret=interpret)
+        return IMPLS[impl](q, k, v, idx, block_size=4)
 
     def ref(q, k, v):
         return block_sparse_attention_reference(q, k, v, idx, block_size=4)

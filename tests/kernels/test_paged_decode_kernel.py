@@ -7,12 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from agentrl_jax.kernels import paged_decode_attention, paged_decode_attention_reference
+from agentrl_jax.kernels.paged_decode_pallas import BlockSizes, paged_decode_attention_pallas
 
 # One unoptimised XLA compile per case: XLA's CPU backend optimisations dominate test time.
 fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 # Per input dtype; bf16 outputs are rounded to bf16 and P@V takes bf16 probabilities.
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-IMPLS = [("xla", False)]
+IMPLS = {
+    "xla": functools.partial(paged_decode_attention, impl="xla"),
+    "pallas": functools.partial(paged_decode_attention_pallas, interpret=True),
+    # Two pages per online-softmax step: exercises the tail step past the owned pages.
+    "pallas-2pages": functools.partial(
+        paged_decode_attention_pallas, block_sizes=BlockSizes(pages_per_block=2), interpret=True
+    ),
+}
 PAGE, MAX_PAGES, NUM_PAGES = 4, 5, 32
 # Ragged lengths: a single token, a full last page, a partial page, the full table, empty.
 LENGTHS = [1, 8, 13, MAX_PAGES * PAGE, 0]
@@ -43,7 +51,8 @@ def _inputs(kh, g, d, dtype, seed=0, int8=False):
 
 def test_reference_matches_numpy_loop():
     q, k, v, tables, lengths, _ = _inputs(2, 2, 8, jnp.float32, seed=1)
-    out = np.asarray(paged_decode_attention_reference(q, k, v, tables, lengths, window=6))
+    ref = fast_jit(paged_decode_attention_reference, static_argnames="window")
+    out = np.asarray(ref(q, k, v, tables, lengths, window=6))
     qn, kn, vn, tn = (np.asarray(x, np.float64) for x in (q, k, v, tables))
     for b, length in enumerate(LENGTHS):
         toks = [(int(tn[b, s // PAGE]), s % PAGE) for s in range(max(0, length - 6), length)]
@@ -58,12 +67,10 @@ def test_reference_matches_numpy_loop():
             np.testing.assert_allclose(out[b, n], (p / p.sum()) @ vv, atol=1e-5)
 
 
-def _check(impl, interpret, dtype, window, q, k, v, tables, lengths, scales):
+def _check(impl, dtype, window, q, k, v, tables, lengths, scales):
     @fast_jit
     def both(q, k, v, tables, lengths, scales):
-        out = paged_decode_attention(
-            q, k, v, tables, lengths, window=window, impl=impl, interpret=interpret, **scales
-        )
+        out = IMPLS[impl](q, k, v, tables, lengths, window=window, **scales)
         ref = paged_decode_attention_reference(q, k, v, tables, lengths, window=window, **scales)
         return out, ref
 
@@ -75,19 +82,19 @@ def _check(impl, interpret, dtype, window, q, k, v, tables, lengths, scales):
     )
 
 
-@pytest.mark.parametrize("impl,interpret", IMPLS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("g", [1, 4, 8])
-@pytest.mark.parametrize("window", [None, 1, 6])
-def test_matches_reference(impl, interpret, dtype, g, window):
-    _check(impl, interpret, dtype, window, *_inputs(2, g, 16, dtype, seed=g))
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "g,window,dtype",
+    [(1, None, jnp.float32), (4, 6, jnp.bfloat16), (8, 1, jnp.float32), (4, None, jnp.bfloat16)],
+)
+def test_matches_reference(impl, g, window, dtype):
+    _check(impl, dtype, window, *_inputs(2, g, 16, dtype, seed=g))
 
 
-@pytest.mark.parametrize("impl,interpret", IMPLS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("window", [None, 6])
-def test_int8_pages_match_reference(impl, interpret, dtype, window):
-    _check(impl, interpret, dtype, window, *_inputs(2, 4, 16, dtype, seed=3, int8=True))
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("window,dtype", [(None, jnp.float32), (6, jnp.bfloat16)])
+def test_int8_pages_match_reference(impl, window, dtype):
+    _check(impl, dtype, window, *_inputs(2, 4, 16, dtype, seed=3, int8=True))
 
 
 def test_bad_inputs_raise():

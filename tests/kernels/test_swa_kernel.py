@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from agentrl_jax.kernels import sliding_window_attention, sliding_window_attention_reference
+from agentrl_jax.kernels.sliding_window_pallas import BlockSizes, sliding_window_attention_pallas
 
 # One unoptimised XLA compile per case: XLA's CPU backend optimisations dominate test time.
 fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
@@ -14,7 +15,25 @@ fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimizatio
 # feed bf16 probabilities to the P@V matmul, so ~1e-2 absolute on O(1) outputs.
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 GRAD_TOL = dict(atol=1e-4, rtol=1e-4)  # float32 inputs
-IMPLS = [("xla", False)]
+# The Pallas kernels run in interpret mode with small, unequal tiles so the block loops and
+# their bounds are exercised (T = 24: 3 query blocks, 6 key blocks).
+IMPLS = {
+    "xla": functools.partial(sliding_window_attention, impl="xla"),
+    "pallas": functools.partial(
+        sliding_window_attention_pallas,
+        block_sizes=BlockSizes(block_q=8, block_k=4),
+        interpret=True,
+    ),
+}
+# (group size, window, dtype): every group size, window (1, small, >= T) and dtype twice.
+CASES = [
+    (1, 1, jnp.float32),
+    (4, 5, jnp.float32),
+    (8, 40, jnp.float32),
+    (8, 5, jnp.bfloat16),
+    (1, 40, jnp.bfloat16),
+    (4, 1, jnp.bfloat16),
+]
 
 
 def _inputs(b, t, kh, g, d, dtype, seed=0):
@@ -25,14 +44,15 @@ def _inputs(b, t, kh, g, d, dtype, seed=0):
 
 def test_reference_window_one_returns_values():
     q, k, v = _inputs(1, 8, 2, 2, 4, jnp.float32)
-    out = sliding_window_attention_reference(q, k, v, window=1)
+    out = fast_jit(sliding_window_attention_reference, static_argnames="window")(q, k, v, window=1)
     np.testing.assert_allclose(out, jnp.repeat(v, 2, axis=2), atol=1e-6)
 
 
 def test_reference_matches_numpy_loop():
     q, k, v = _inputs(1, 7, 1, 2, 4, jnp.float32, seed=3)
     window = 3
-    out = np.asarray(sliding_window_attention_reference(q, k, v, window=window))
+    ref = fast_jit(sliding_window_attention_reference, static_argnames="window")
+    out = np.asarray(ref(q, k, v, window=window))
     qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
     for t in range(7):
         for n in range(2):
@@ -43,16 +63,14 @@ def test_reference_matches_numpy_loop():
             np.testing.assert_allclose(out[0, t, n], want, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl,interpret", IMPLS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("g", [1, 4, 8])
-@pytest.mark.parametrize("window", [1, 5, 40])
-def test_matches_reference(impl, interpret, dtype, g, window):
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("g,window,dtype", CASES)
+def test_matches_reference(impl, g, window, dtype):
     q, k, v = _inputs(2, 24, 2, g, 16, dtype, seed=g + window)
 
     @fast_jit
     def both(q, k, v):
-        out = sliding_window_attention(q, k, v, window=window, impl=impl, interpret=interpret)
+        out = IMPLS[impl](q, k, v, window=window)
         return out, sliding_window_attention_reference(q, k, v, window=window)
 
     out, ref = both(q, k, v)
@@ -62,16 +80,17 @@ def test_matches_reference(impl, interpret, dtype, g, window):
     )
 
 
-@pytest.mark.parametrize("impl,interpret", IMPLS)
-@pytest.mark.parametrize("window", [3, 24])
-def test_gradients_match_reference(impl, interpret, window):
+@pytest.mark.parametrize("impl,window", [("xla", 3), ("pallas", 3), ("pallas-public", 24)])
+def test_gradients_match_reference(impl, window):
     q, k, v, w = (
         _inputs(1, 24, 2, 4, 16, jnp.float32, seed=7)
         + _inputs(1, 24, 2, 4, 16, jnp.float32, seed=1)[:1]
     )
 
     def fn(q, k, v):
-        return sliding_window_attention(q, k, v, window=window, impl=impl, interpret=interpret)
+        if impl == "pallas-public":  # default tiles through the public entry point
+            return sliding_window_attention(q, k, v, window=window, impl="pallas", interpret=True)
+        return IMPLS[impl](q, k, v, window=window)
 
     def ref(q, k, v):
         return sliding_window_attention_reference(q, k, v, window=window)
@@ -94,3 +113,9 @@ def test_bad_inputs_raise():
         sliding_window_attention(q, k, v, window=2, impl="cuda")
     with pytest.raises(ValueError, match="q_heads"):
         sliding_window_attention(q[:, :, :3], k, v, window=2, impl="xla")
+
+
+def test_pallas_block_sizes_must_divide_seq_len():
+    q, k, v = _inputs(1, 12, 1, 1, 4, jnp.float32)
+    with pytest.raises(ValueError, match="seq_len=12 must be a multiple of block_q=8"):
+        sliding_window_attention_pallas(q, k, v, window=2, block_sizes=BlockSizes(8, 4))

@@ -1,0 +1,256 @@
+"""Pallas flash kernels (forward, dq, dkv) for block-sparse causal GQA attention.
+
+One program handles one query token and one kv head: the token's G query heads form a
+``[G, H]`` tile that meets each selected key block in a single step, so a selected block is
+read once per GQA group (the selection is shared by the group). The dkv kernel runs per key
+block over the inverse selection (the query tokens that picked that block), built in XLA by a
+sort. Generic Pallas: ``interpret=True`` on CPU, default Pallas GPU lowering on GPU.
+
+Einsum legend: B batch, T time, K kv heads, G query heads per kv head, H head dim,
+L selection slot, P position inside a key block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from agentrl_jax.kernels.attention_math import (
+    default_scale,
+    matmul_f32,
+    online_softmax_finish,
+    online_softmax_init,
+    online_softmax_step,
+    qk_logits,
+)
+from agentrl_jax.kernels.block_sparse import normalize_block_indices
+from jax.experimental import pallas as pl
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Static tile sizes: ``block_kv`` is the key block (must equal the op's block_size)."""
+
+    block_kv: int = 64
+
+    def __post_init__(self):
+        if self.block_kv < 1:
+            raise ValueError(f"BlockSizes.block_kv={self.block_kv} must be >= 1")
+
+
+def _causal(t, blk, rows, bs):
+    kpos = blk * bs + jax.lax.broadcasted_iota(jnp.int32, (rows, bs), 1)
+    return kpos <= t
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, scale, bs, n_sel):
+    t = pl.program_id(2)
+    q = q_ref[...]
+    g, h = q.shape
+
+    def body(i, carry):
+        blk = idx_ref[i]
+
+        def update(carry):
+            k = k_ref[pl.ds(blk * bs, bs), :]
+            v = v_ref[pl.ds(blk * bs, bs), :]
+            s = jnp.where(_causal(t, blk, g, bs), qk_logits(q, k, scale), -jnp.inf)
+            return online_softmax_step(carry, s, v)
+
+        # Unused slots and blocks entirely in the future are skipped: no K/V read.
+        return jax.lax.cond((blk >= 0) & (blk * bs <= t), update, lambda c: c, carry)
+
+    carry = jax.lax.fori_loop(0, n_sel, body, online_softmax_init(g, h))
+    out, lse = online_softmax_finish(carry)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, idx_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, bs, n_sel
+):
+    t = pl.program_id(2)
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    g = q.shape[0]
+
+    def body(i, dq):
+        blk = idx_ref[i]
+
+        def update(dq):
+            k = k_ref[pl.ds(blk * bs, bs), :]
+            v = v_ref[pl.ds(blk * bs, bs), :]
+            p = jnp.exp(qk_logits(q, k, scale) - lse[:, None])
+            p = jnp.where(_causal(t, blk, g, bs), p, 0.0)
+            ds = p * (matmul_f32(do, v, (1, 1)) - delta[:, None])
+            return dq + matmul_f32(ds.astype(k.dtype), k, (1, 0))
+
+        return jax.lax.cond((blk >= 0) & (blk * bs <= t), update, lambda d: d, dq)
+
+    dq = jax.lax.fori_loop(0, n_sel, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(
+    q_ref, k_ref, v_ref, tok_ref, off_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, bs
+):
+    j = pl.program_id(2)
+    k, v = k_ref[...], v_ref[...]
+    g = q_ref.shape[1]
+
+    def body(e, carry):
+        dk, dv = carry
+        t = tok_ref[e]
+        q = q_ref[pl.ds(t, 1), :, :][0]
+        do = do_ref[pl.ds(t, 1), :, :][0]
+        lse = lse_ref[pl.ds(t, 1), :][0]
+        delta = delta_ref[pl.ds(t, 1), :][0]
+        p = jnp.exp(qk_logits(q, k, scale) - lse[:, None])
+        p = jnp.where(_causal(t, j, g, bs), p, 0.0)
+        dv = dv + matmul_f32(p.astype(do.dtype), do, (0, 0))
+        ds = p * (matmul_f32(do, v, (1, 1)) - delta[:, None])
+        return dk + matmul_f32(ds.astype(q.dtype), q, (0, 0)), dv
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = jax.lax.fori_loop(off_ref[j], off_ref[j + 1], body, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _specs(t, s, g, h, n_sel):
+    """BlockSpecs: q-like [B, K, T, G, H], kv [B, K, S, H], idx [B, K, T, L], rows [B, K, T, G]."""
+    tok = lambda b, n, i: (b, n, i, 0)
+    return dict(
+        q_tok=pl.BlockSpec((None, None, None, g, h), lambda b, n, i: (b, n, i, 0, 0)),
+        row_tok=pl.BlockSpec((None, None, None, g), tok),
+        idx_tok=pl.BlockSpec((None, None, None, n_sel), tok),
+        kv_all=pl.BlockSpec((None, None, s, h), lambda b, n, i: (b, n, 0, 0)),
+        q_all=pl.BlockSpec((None, None, t, g, h), lambda b, n, j: (b, n, 0, 0, 0)),
+        row_all=pl.BlockSpec((None, None, t, g), lambda b, n, j: (b, n, 0, 0)),
+    )
+
+
+def _forward(q, k, v, idx, scale, bs, interpret):
+    b, kh, t, g, h = q.shape
+    n_sel = idx.shape[-1]
+    sp = _specs(t, k.shape[2], g, h, n_sel)
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, scale=scale, bs=bs, n_sel=n_sel),
+        grid=(b, kh, t),
+        in_specs=[sp["q_tok"], sp["kv_all"], sp["kv_all"], sp["idx_tok"]],
+        out_specs=[sp["q_tok"], sp["row_tok"]],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((b, kh, t, g), jnp.float32),
+        ],
+        interpret=interpret,
+    )(q, k, v, idx)
+
+
+def _inverse_selection(idx, nblk):
+    """Per (batch, kv head): query tokens sorted by the block they selected, and offsets.
+
+    Returns tokens [B, K, T*L] (entries of block j are tokens[offsets[j]:offsets[j+1]]) and
+    offsets [B, K, nblk + 1]; unused slots sort to the end and belong to no block.
+    """
+    b, kh, t, n_sel = idx.shape
+    flat = jnp.where(idx >= 0, idx, nblk).reshape(b, kh, t * n_sel)
+    order = jnp.argsort(flat, axis=-1, stable=True)
+    tokens = (order // n_sel).astype(jnp.int32)
+    counts = jax.vmap(jax.vmap(lambda f: jnp.bincount(f, length=nblk + 1)))(flat)
+    offsets = jnp.concatenate(
+        [jnp.zeros((b, kh, 1), jnp.int32), jnp.cumsum(counts[..., :nblk], -1).astype(jnp.int32)],
+        axis=-1,
+    )
+    return tokens, offsets
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _bsa(q, k, v, idx, scale, bs, interpret):
+    return _forward(q, k, v, idx, scale, bs, interpret)[0]
+
+
+def _bsa_fwd(q, k, v, idx, scale, bs, interpret):
+    o, lse = _forward(q, k, v, idx, scale, bs, interpret)
+    return o, (q, k, v, idx, o, lse)
+
+
+def _bsa_bwd(scale, bs, interpret, res, do):
+    q, k, v, idx, o, lse = res
+    b, kh, t, g, h = q.shape
+    s, n_sel = k.shape[2], idx.shape[-1]
+    nblk = s // bs
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    sp = _specs(t, s, g, h, n_sel)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=scale, bs=bs, n_sel=n_sel),
+        grid=(b, kh, t),
+        in_specs=[sp["q_tok"], sp["kv_all"], sp["kv_all"], sp["idx_tok"], sp["q_tok"]]
+        + [sp["row_tok"]] * 2,
+        out_specs=sp["q_tok"],
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret=interpret,
+    )(q, k, v, idx, do, lse, delta)
+    tokens, offsets = _inverse_selection(idx, nblk)
+    kv_blk = pl.BlockSpec((None, None, bs, h), lambda b_, n, j: (b_, n, j, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, scale=scale, bs=bs),
+        grid=(b, kh, nblk),
+        in_specs=[
+            sp["q_all"],
+            kv_blk,
+            kv_blk,
+            pl.BlockSpec((None, None, t * n_sel), lambda b_, n, j: (b_, n, 0)),
+            pl.BlockSpec((None, None, nblk + 1), lambda b_, n, j: (b_, n, 0)),
+            sp["q_all"],
+            sp["row_all"],
+            sp["row_all"],
+        ],
+        out_specs=[kv_blk, kv_blk],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        interpret=interpret,
+    )(q, k, v, tokens, offsets, do, lse, delta)
+    return dq, dk, dv, None
+
+
+_bsa.defvjp(_bsa_fwd, _bsa_bwd)
+
+
+def block_sparse_attention_pallas(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    block_indices: jax.Array,
+    *,
+    block_size: int,
+    softmax_scale: float | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Block-sparse attention through the Pallas kernels; differentiable in q, k, v.
+
+    Args:
+      q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]; block_indices: int [B, T, Hkv, n_sel]
+        (see ``block_sparse_attention``); keys are zero-padded to a multiple of block_size.
+      block_size: key block size (the kernels' ``BlockSizes.block_kv``).
+      softmax_scale: logit scale; default 1/sqrt(D).
+      interpret: run in Pallas interpret mode (CPU).
+
+    Returns:
+      [B, T, Hq, D] in q.dtype; zeros for queries with no visible key.
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    bs = BlockSizes(block_kv=block_size).block_kv
+    scale = default_scale(h, softmax_scale)
+    nblk = -(-t // bs)
+    idx = normalize_block_indices(block_indices, nblk).transpose(0, 2, 1, 3)
+    idx = jax.lax.stop_gradient(idx)
+    pad = nblk * bs - t
+    if pad:
+        k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (k, v))
+    qp = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4)
+    kp, vp = (x.transpose(0, 2, 1, 3) for x in (k, v))
+    o = _bsa(qp, kp, vp, idx, scale, bs, interpret)
+    return o.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
