@@ -116,3 +116,26 @@ def matmul_f32(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Arr
     """2-D matmul contracting ``a`` dim contract[0] with ``b`` dim contract[1], fp32 result."""
     dims = (((contract[0],), (contract[1],)), ((), ()))
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def gpu_compiler_params(num_warps: int = 4, num_stages: int = 2):
+    """Compiler params selecting the lowering these generic kernels are written for.
+
+    On GPU the kernels use the Triton lowering (whole-array K/V refs sliced with ``pl.ds``,
+    dynamic loop bounds), which Mosaic GPU, the default since JAX 0.10, does not accept. None
+    elsewhere (interpret mode, TPU).
+    """
+    if jax.default_backend() != "gpu":
+        return None
+    try:
+        from jax.experimental.pallas import triton as pltriton
+    except ImportError:  # a JAX without the Triton lowering: let Pallas pick
+        return None
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def padded_group(g: int, interpret: bool) -> int:
+    """Query rows per kv head a one-token tile is padded to: Triton dots need >= 16 rows."""
+    if interpret or jax.default_backend() != "gpu":
+        return g
+    return max(16, 1 << (g - 1).bit_length())

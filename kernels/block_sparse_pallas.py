@@ -19,10 +19,12 @@ import jax
 import jax.numpy as jnp
 from agentrl_jax.kernels.attention_math import (
     default_scale,
+    gpu_compiler_params,
     matmul_f32,
     online_softmax_finish,
     online_softmax_init,
     online_softmax_step,
+    padded_group,
     qk_logits,
 )
 from agentrl_jax.kernels.block_sparse import normalize_block_indices
@@ -145,6 +147,7 @@ def _forward(q, k, v, idx, scale, bs, interpret):
             jax.ShapeDtypeStruct((b, kh, t, g), jnp.float32),
         ],
         interpret=interpret,
+        compiler_params=None if interpret else gpu_compiler_params(),
     )(q, k, v, idx)
 
 
@@ -191,6 +194,7 @@ def _bsa_bwd(scale, bs, interpret, res, do):
         out_specs=sp["q_tok"],
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=interpret,
+        compiler_params=None if interpret else gpu_compiler_params(),
     )(q, k, v, idx, do, lse, delta)
     tokens, offsets = _inverse_selection(idx, nblk)
     kv_blk = pl.BlockSpec((None, None, bs, h), lambda b_, n, j: (b_, n, j, 0))
@@ -210,6 +214,7 @@ def _bsa_bwd(scale, bs, interpret, res, do):
         out_specs=[kv_blk, kv_blk],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         interpret=interpret,
+        compiler_params=None if interpret else gpu_compiler_params(),
     )(q, k, v, tokens, offsets, do, lse, delta)
     return dq, dk, dv, None
 
@@ -251,6 +256,9 @@ def block_sparse_attention_pallas(
     if pad:
         k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (k, v))
     qp = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4)
+    gp = padded_group(g, interpret)
+    if gp > g:  # zero query heads, sliced off below (their cotangent is zero)
+        qp = jnp.pad(qp, ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0)))
     kp, vp = (x.transpose(0, 2, 1, 3) for x in (k, v))
-    o = _bsa(qp, kp, vp, idx, scale, bs, interpret)
+    o = _bsa(qp, kp, vp, idx, scale, bs, interpret)[:, :, :, :g]
     return o.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)

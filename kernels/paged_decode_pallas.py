@@ -19,9 +19,11 @@ import jax
 import jax.numpy as jnp
 from agentrl_jax.kernels.attention_math import (
     default_scale,
+    gpu_compiler_params,
     online_softmax_finish,
     online_softmax_init,
     online_softmax_step,
+    padded_group,
     qk_logits,
 )
 from jax.experimental import pallas as pl
@@ -68,8 +70,8 @@ def _kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, scale, window, ppb, qua
             pos = pos + jax.lax.broadcasted_iota(jnp.int32, (g, ps), 1)
             logits.append(jnp.where((pos < length) & (pos >= first_tok), s, -jnp.inf))
             vals.append(v.astype(q.dtype))
-        s = jnp.concatenate(logits, axis=1)
-        v = jnp.concatenate(vals, axis=0)
+        s = logits[0] if ppb == 1 else jnp.concatenate(logits, axis=1)
+        v = vals[0] if ppb == 1 else jnp.concatenate(vals, axis=0)
         if not quantized:
             return online_softmax_step(carry, s, v)
         # Value scale folded into the probabilities: sum_s p_s * (scale_s * v_s).
@@ -79,7 +81,7 @@ def _kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, scale, window, ppb, qua
         alpha = jnp.exp(m_prev - m_safe)
         p = jnp.exp(s - m_safe[:, None])
         pv = jax.lax.dot_general(
-            (p * jnp.concatenate(v_scales, axis=1)).astype(v.dtype),
+            (p * (v_scales[0] if ppb == 1 else jnp.concatenate(v_scales, axis=1))).astype(v.dtype),
             v,
             (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
@@ -118,6 +120,7 @@ def paged_decode_attention_pallas(
     num_pages, ps, kh, _ = k_pages.shape
     max_pages = block_tables.shape[1]
     g = n // kh
+    gp = padded_group(g, interpret)
     bs = block_sizes or BlockSizes()
     if bs.pages_per_block > max_pages:
         raise ValueError(f"pages_per_block={bs.pages_per_block} must be <= {max_pages=}")
@@ -134,11 +137,14 @@ def paged_decode_attention_pallas(
     in_specs = [
         full(lengths),
         pl.BlockSpec((None, max_pages), lambda i, j: (i, 0)),
-        pl.BlockSpec((None, None, g, h), lambda i, j: (i, j, 0, 0)),
+        pl.BlockSpec((None, None, gp, h), lambda i, j: (i, j, 0, 0)),
         full(k_pages),
         full(v_pages),
     ]
-    args = [lengths.astype(jnp.int32), block_tables.astype(jnp.int32), q.reshape(b, kh, g, h)]
+    qg = q.reshape(b, kh, g, h)
+    if gp > g:  # zero query heads, sliced off below
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    args = [lengths.astype(jnp.int32), block_tables.astype(jnp.int32), qg]
     args += [k_pages, v_pages]
     if quantized:
         in_specs += [full(k_scales), full(v_scales)]
@@ -147,8 +153,9 @@ def paged_decode_attention_pallas(
         kernel,
         grid=(b, kh),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, None, g, h), lambda i, j: (i, j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, kh, g, h), q.dtype),
+        out_specs=pl.BlockSpec((None, None, gp, h), lambda i, j: (i, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, kh, gp, h), q.dtype),
         interpret=interpret,
+        compiler_params=None if interpret else gpu_compiler_params(),
     )(*args)
-    return out.reshape(b, n, h)
+    return out[:, :, :g].reshape(b, n, h)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from agentrl_jax.kernels.attention_math import (
     default_scale,
+    gpu_compiler_params,
     matmul_f32,
     online_softmax_finish,
     online_softmax_init,
@@ -150,6 +151,7 @@ def _forward(q, k, v, window, scale, bs, interpret):
             jax.ShapeDtypeStruct((b, kh, tg), jnp.float32),
         ],
         interpret=interpret,
+        compiler_params=None if interpret else gpu_compiler_params(),
     )(q, k, v)
 
 
@@ -178,6 +180,7 @@ def _swa_bwd(window, scale, bs, interpret, res, do):
         out_specs=q_blk,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=interpret,
+        compiler_params=None if interpret else gpu_compiler_params(),
     )(q, k, v, do, lse, delta)
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, nq=t // bq, **kw),
@@ -186,6 +189,7 @@ def _swa_bwd(window, scale, bs, interpret, res, do):
         out_specs=[kv_blk, kv_blk],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         interpret=interpret,
+        compiler_params=None if interpret else gpu_compiler_params(),
     )(q, k, v, do, lse, delta)
     return dq, dk, dv
 

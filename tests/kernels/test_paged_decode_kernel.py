@@ -105,3 +105,11 @@ def test_bad_inputs_raise():
         paged_decode_attention(q, k, v, tables, lengths, window=0, impl="xla", **scales)
     with pytest.raises(ValueError, match="lengths"):
         paged_decode_attention(q, k, v, tables, lengths[:2], impl="xla", **scales)
+
+
+def test_pallas_group_padding_keeps_values(monkeypatch):
+    """On GPU the group is padded to 16 rows for Triton dots; check that path on CPU."""
+    from agentrl_jax.kernels import paged_decode_pallas
+
+    monkeypatch.setattr(paged_decode_pallas, "padded_group", lambda g, interpret: 16)
+    _check("pallas", jnp.float32, None, *_inputs(2, 4, 16, jnp.float32, seed=5))
