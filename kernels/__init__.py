@@ -4,6 +4,10 @@ Each op has a pure-jnp ``*_reference``, a blocked XLA implementation and a Palla
 selected with ``impl='auto'|'xla'|'pallas'`` ('auto': Pallas on GPU/TPU, XLA on CPU). All of
 them compute the softmax and accumulate in float32 whatever the input dtype, and return zeros
 for a query row that sees no key. This package imports only jax/numpy.
+
+The Pallas kernels are generic Pallas: ``interpret=True`` runs them on CPU; on GPU they select
+the Triton lowering (tiles, ``block_size`` and ``page_size`` should be powers of two >= 16).
+Tile sizes live in each kernel module's frozen ``BlockSizes``.
 """
 
 from agentrl_jax.kernels.attention_math import IMPLS, resolve_impl

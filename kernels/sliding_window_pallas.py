@@ -213,7 +213,8 @@ def sliding_window_attention_pallas(
       q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (see ``sliding_window_attention``).
       window: keys per query, >= 1.
       softmax_scale: logit scale; default 1/sqrt(D).
-      block_sizes: tile sizes; default 64 (or T if shorter), with T zero-padded to a multiple.
+      block_sizes: tile sizes; default 64 (or the power of two >= T if shorter), with T
+        zero-padded to a multiple.
         Given explicitly, T must be a multiple of both.
       interpret: run in Pallas interpret mode (CPU).
 
@@ -228,7 +229,7 @@ def sliding_window_attention_pallas(
     g = n // kh
     scale = default_scale(h, softmax_scale)
     if block_sizes is None:
-        blk = min(64, t)
+        blk = min(64, 1 << (t - 1).bit_length())  # powers of two (Triton tiles)
         block_sizes = BlockSizes(block_q=blk, block_k=blk)
         pad = -t % blk
     else:
