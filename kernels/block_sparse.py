@@ -13,6 +13,7 @@ Einsum legend: B batch, T query time, S key time, K kv heads, G query heads per 
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ def _validate(q, k, v, block_indices, block_size) -> int:
         )
     if not jnp.issubdtype(block_indices.dtype, jnp.integer):
         raise ValueError(f"block_indices must be an integer array; got {block_indices.dtype=}")
-    if not isinstance(block_size, int) or block_size < 1:
+    if not isinstance(block_size, numbers.Integral) or block_size < 1:
         raise ValueError(f"{block_size=} must be an int >= 1")
     return g
 

@@ -12,6 +12,7 @@ S cached token (page-major: page j slot o is token j * page_size + o).
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ def _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_sc
     for name, x in (("block_tables", block_tables), ("lengths", lengths)):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array; got {x.dtype=}")
-    if window is not None and (not isinstance(window, int) or window < 1):
+    if window is not None and (not isinstance(window, numbers.Integral) or window < 1):
         raise ValueError(f"{window=} must be None or an int >= 1")
     quantized = k_pages.dtype == jnp.int8
     if quantized != (v_pages.dtype == jnp.int8):
@@ -152,15 +153,15 @@ def paged_decode_attention_xla(
     v = v_pages[bt].astype(compute).reshape(b, n_pages * ps, kh, h)
     qg = q.reshape(b, kh, g, h)
     logits = jnp.einsum("BKGH,BSKH->BKGS", qg, k, preferred_element_type=jnp.float32)
-    if k_scales is not None:
-        ks = jnp.repeat(k_scales[bt].astype(jnp.float32), ps, axis=1)  # [B, S, K]
-        logits = logits * ks.transpose(0, 2, 1)[:, :, None, :]
+    if k_scales is not None:  # one scale per (page, kv head): scale the page's logits
+        ks = k_scales[bt].astype(jnp.float32).transpose(0, 2, 1)[:, :, None, :, None]
+        logits = (logits.reshape(b, kh, g, n_pages, ps) * ks).reshape(logits.shape)
     logits = logits * default_scale(h, softmax_scale)
     pos = (page_slots[:, :, None] * ps + jnp.arange(ps)).reshape(b, n_pages * ps)
     p = masked_softmax(logits, _mask(pos, lengths, window)[:, None, None, :])
     if v_scales is not None:
-        vs = jnp.repeat(v_scales[bt].astype(jnp.float32), ps, axis=1)
-        p = p * vs.transpose(0, 2, 1)[:, :, None, :]
+        vs = v_scales[bt].astype(jnp.float32).transpose(0, 2, 1)[:, :, None, :, None]
+        p = (p.reshape(b, kh, g, n_pages, ps) * vs).reshape(p.shape)
     out = jnp.einsum("BKGS,BSKH->BKGH", p.astype(compute), v, preferred_element_type=jnp.float32)
     return out.reshape(b, n, h).astype(q.dtype)
 

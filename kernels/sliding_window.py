@@ -9,6 +9,7 @@ Einsum legend: B batch, T query time, S key time, K kv heads, G query heads per 
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ def _validate(q: jax.Array, k: jax.Array, v: jax.Array, window: int) -> int:
     b, t, n, h = q.shape
     if k.shape[0] != b or k.shape[1] != t or k.shape[3] != h:
         raise ValueError(f"k must be [B={b}, T={t}, Hkv, D={h}]; got {k.shape=}")
-    if not isinstance(window, int) or window < 1:
+    if not isinstance(window, numbers.Integral) or window < 1:
         raise ValueError(f"{window=} must be an int >= 1")
     return check_gqa(n, k.shape[2])
 
