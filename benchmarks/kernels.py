@@ -205,7 +205,11 @@ def bench_block_sparse(bench, a, dtype):
     dense = 4.0 * a.batch * a.heads_q * a.head_dim * a.seq * (a.seq + 1) / 2
     ops = {
         impl: functools.partial(
-            K.block_sparse_attention, block_indices=idx, block_size=bs, impl=impl
+            K.block_sparse_attention,
+            block_indices=idx,
+            block_size=bs,
+            query_block=a.query_block,
+            impl=impl,
         )
         for impl in ("xla", "pallas")
     }
@@ -215,6 +219,7 @@ def bench_block_sparse(bench, a, dtype):
     make, _ = _dpa(None, is_causal=True)
     shape = dict(batch=a.batch, seq_len=a.seq, heads_q=a.heads_q, heads_kv=a.heads_kv)
     shape.update(head_dim=a.head_dim, block_size=bs, n_sel=n_sel, dtype=jnp.dtype(dtype).name)
+    shape.update(query_block=a.query_block)
     shape.update(dense_causal_flops=dense, selected_flops=flops)
     bench.run_op("block_sparse", ops, (q, k, v), make, (q, k, v), (flops, dense), shape, "tflops")
 
@@ -277,6 +282,12 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--topk-frac", type=float, default=0.25, help="selected fraction of context")
+    p.add_argument(
+        "--query-block",
+        type=int,
+        default=None,
+        help="tokens sharing one selection (default: block size; the inputs share it per block)",
+    )
     p.add_argument("--decode-batch", type=int, default=8)
     p.add_argument("--decode-context", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
@@ -286,6 +297,7 @@ def main(argv=None):
     p.add_argument("--no-grad", dest="grad", action="store_false", help="forward only")
     p.add_argument("--pallas-interpret", action="store_true", help="time Pallas on CPU too")
     a = p.parse_args(argv)
+    a.query_block = a.query_block or a.block_size
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     bench = Bench(a)
     if a.dtype == "auto":

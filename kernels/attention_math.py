@@ -134,8 +134,12 @@ def gpu_compiler_params(num_warps: int = 4, num_stages: int = 2):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def padded_group(g: int, interpret: bool) -> int:
-    """Query rows per kv head a one-token tile is padded to: Triton dots need >= 16 rows."""
+def padded_group(g: int, interpret: bool, tokens_per_tile: int = 1) -> int:
+    """Query heads per kv head a tile of ``tokens_per_tile`` tokens is padded to on GPU.
+
+    Triton dots need power-of-two tiles of >= 16 rows; elsewhere ``g`` is returned unchanged.
+    """
     if interpret or jax.default_backend() != "gpu":
         return g
-    return max(16, 1 << (g - 1).bit_length())
+    need = -(-16 // tokens_per_tile)
+    return max(1 << (g - 1).bit_length(), 1 << (need - 1).bit_length())

@@ -28,7 +28,7 @@ from agentrl_jax.kernels.attention_math import (
 _XLA_GATHER_ELEMS = 1 << 23
 
 
-def _validate(q, k, v, block_indices, block_size) -> int:
+def _validate(q, k, v, block_indices, block_size, query_block=1) -> int:
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be rank 4; got {q.shape=}, {k.shape=}, {v.shape=}")
     if k.shape != v.shape:
@@ -46,6 +46,8 @@ def _validate(q, k, v, block_indices, block_size) -> int:
         raise ValueError(f"block_indices must be an integer array; got {block_indices.dtype=}")
     if not isinstance(block_size, numbers.Integral) or block_size < 1:
         raise ValueError(f"{block_size=} must be an int >= 1")
+    if not isinstance(query_block, numbers.Integral) or query_block < 1:
+        raise ValueError(f"{query_block=} must be an int >= 1")
     return g
 
 
@@ -110,60 +112,65 @@ def block_sparse_attention_xla(
     *,
     block_size: int,
     softmax_scale: float | None = None,
+    query_block: int = 1,
 ) -> jax.Array:
     """Gathered-block XLA implementation; differentiable by autodiff.
 
-    Each query gathers its selected key/value blocks and attends to them only, so the work is
-    proportional to the selected context. Queries are processed in chunks (``lax.map``) to
-    bound the gathered memory. Shapes as :func:`block_sparse_attention_reference`.
+    Each group of ``query_block`` queries gathers its selected key/value blocks (read from the
+    group's first token) and attends to them only, so the work is proportional to the selected
+    context. Groups are processed in chunks (``lax.map``) to bound the gathered memory. Shapes
+    as :func:`block_sparse_attention_reference`.
     """
-    g = _validate(q, k, v, block_indices, block_size)
+    g = _validate(q, k, v, block_indices, block_size, query_block)
     b, t, n, h = q.shape
-    kh, n_sel, bs = n // g, block_indices.shape[-1], block_size
+    kh, n_sel, bs, qb = n // g, block_indices.shape[-1], block_size, query_block
     scale = default_scale(h, softmax_scale)
     nblk = -(-t // bs)
-    idx = normalize_block_indices(block_indices, nblk)
+    idx = normalize_block_indices(block_indices, nblk)[:, ::qb]  # [B, groups, K, L]
     kpad = nblk * bs - t
     if kpad:
         k, v = (jnp.pad(x, ((0, 0), (0, kpad), (0, 0), (0, 0))) for x in (k, v))
     kb = k.reshape(b, nblk, bs, kh, h).transpose(0, 3, 1, 2, 4)  # [B, K, nblk, P, H]
     vb = v.reshape(b, nblk, bs, kh, h).transpose(0, 3, 1, 2, 4)
 
-    tc = max(1, min(t, _XLA_GATHER_ELEMS // max(1, b * kh * n_sel * bs * h)))
-    nchunk = -(-t // tc)
-    qpad = nchunk * tc - t
+    groups = idx.shape[1]
+    gc = max(1, min(groups, _XLA_GATHER_ELEMS // max(1, b * kh * n_sel * bs * h)))
+    nchunk = -(-groups // gc)
+    qpad = nchunk * gc * qb - t
     qg = q.reshape(b, t, kh, g, h)
     if qpad:
         qg = jnp.pad(qg, ((0, 0), (0, qpad), (0, 0), (0, 0), (0, 0)))
-        idx = jnp.pad(idx, ((0, 0), (0, qpad), (0, 0), (0, 0)), constant_values=-1)
-    qs = qg.reshape(b, nchunk, tc, kh, g, h).swapaxes(0, 1)
-    ids = idx.reshape(b, nchunk, tc, kh, n_sel).swapaxes(0, 1)
-    tpos = jnp.arange(nchunk * tc).reshape(nchunk, tc)
+    idx = jnp.pad(idx, ((0, 0), (0, nchunk * gc - groups), (0, 0), (0, 0)), constant_values=-1)
+    qs = qg.reshape(b, nchunk, gc, qb, kh, g, h).swapaxes(0, 1)
+    ids = idx.reshape(b, nchunk, gc, kh, n_sel).swapaxes(0, 1)
+    first = (jnp.arange(nchunk * gc) * qb).reshape(nchunk, gc)  # first token of each group
 
     def chunk(args):
-        qc, ic, tp = args  # [B, tc, K, G, H], [B, tc, K, L], [tc]
-        gidx = jnp.maximum(ic, 0).transpose(0, 2, 1, 3).reshape(b, kh, tc * n_sel, 1, 1)
-        kg = jnp.take_along_axis(kb, gidx, axis=2).reshape(b, kh, tc, n_sel * bs, h)
-        vg = jnp.take_along_axis(vb, gidx, axis=2).reshape(b, kh, tc, n_sel * bs, h)
-        logits = jnp.einsum("BTKGH,BKTSH->BKTGS", qc, kg, preferred_element_type=jnp.float32)
-        icT = ic.transpose(0, 2, 1, 3)  # [B, K, tc, L]
-        kpos = icT[..., None] * bs + jnp.arange(bs)  # [B, K, tc, L, P]
-        mask = (icT[..., None] >= 0) & (kpos <= tp[None, None, :, None, None])
-        mask = mask.reshape(b, kh, tc, 1, n_sel * bs)
-        p = masked_softmax(logits * scale, mask)
+        qc, ic, f = args  # [B, C, Q, K, G, H], [B, C, K, L], [C]
+        icT = ic.transpose(0, 2, 1, 3)  # [B, K, C, L]
+        gidx = jnp.maximum(icT, 0).reshape(b, kh, gc * n_sel, 1, 1)
+        kg = jnp.take_along_axis(kb, gidx, axis=2).reshape(b, kh, gc, n_sel * bs, h)
+        vg = jnp.take_along_axis(vb, gidx, axis=2).reshape(b, kh, gc, n_sel * bs, h)
+        logits = jnp.einsum("BCQKGH,BKCSH->BKCQGS", qc, kg, preferred_element_type=jnp.float32)
+        kpos = (icT[..., None] * bs + jnp.arange(bs)).reshape(b, kh, gc, 1, 1, n_sel * bs)
+        valid = jnp.repeat(icT >= 0, bs, axis=-1).reshape(kpos.shape)
+        qpos = (f[:, None] + jnp.arange(qb))[None, None, :, :, None, None]
+        p = masked_softmax(logits * scale, valid & (kpos <= qpos))
         return jnp.einsum(
-            "BKTGS,BKTSH->BTKGH", p.astype(vg.dtype), vg, preferred_element_type=jnp.float32
+            "BKCQGS,BKCSH->BCQKGH", p.astype(vg.dtype), vg, preferred_element_type=jnp.float32
         )
 
     if nchunk == 1:
-        out = chunk((qs[0], ids[0], tpos[0]))[None]
+        out = chunk((qs[0], ids[0], first[0]))[None]
     else:
-        out = jax.lax.map(chunk, (qs, ids, tpos))
-    out = out.swapaxes(0, 1).reshape(b, nchunk * tc, n, h)[:, :t]
+        out = jax.lax.map(chunk, (qs, ids, first))
+    out = out.swapaxes(0, 1).reshape(b, nchunk * gc * qb, n, h)[:, :t]
     return out.astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "softmax_scale", "impl", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("block_size", "softmax_scale", "query_block", "impl", "interpret")
+)
 def block_sparse_attention(
     q: jax.Array,
     k: jax.Array,
@@ -172,6 +179,7 @@ def block_sparse_attention(
     *,
     block_size: int,
     softmax_scale: float | None = None,
+    query_block: int = 1,
     impl: str = "auto",
     interpret: bool = False,
 ) -> jax.Array:
@@ -185,6 +193,10 @@ def block_sparse_attention(
         kv head; -1 = unused slot; out-of-range ids count as unused, repeats count once.
       block_size: tokens per key block (block j holds keys j*block_size .. (j+1)*block_size-1).
       softmax_scale: logit scale; default 1/sqrt(D).
+      query_block: the caller's promise that the selection is the same for every aligned group
+        of ``query_block`` tokens (tokens i*query_block ..); the fast impls then read each
+        group's first row and process the group as one tile (bigger matmuls, K/V read once per
+        group). 1 (default): per-token selection. The reference ignores it.
       impl: 'xla', 'pallas' or 'auto' (Pallas on GPU/TPU, XLA on CPU).
       interpret: run the Pallas kernel in interpret mode (CPU testing).
 
@@ -193,22 +205,13 @@ def block_sparse_attention(
       no key <= t returns zeros.
 
     Raises:
-      ValueError: on inconsistent shapes, block_size < 1 or an unknown impl.
+      ValueError: on inconsistent shapes, block_size or query_block < 1, or an unknown impl.
     """
     impl = resolve_impl(impl)
+    kw = dict(block_size=block_size, softmax_scale=softmax_scale, query_block=query_block)
     if impl == "xla":
-        return block_sparse_attention_xla(
-            q, k, v, block_indices, block_size=block_size, softmax_scale=softmax_scale
-        )
+        return block_sparse_attention_xla(q, k, v, block_indices, **kw)
     from agentrl_jax.kernels.block_sparse_pallas import block_sparse_attention_pallas
 
-    _validate(q, k, v, block_indices, block_size)
-    return block_sparse_attention_pallas(
-        q,
-        k,
-        v,
-        block_indices,
-        block_size=block_size,
-        softmax_scale=softmax_scale,
-        interpret=interpret,
-    )
+    _validate(q, k, v, block_indices, block_size, query_block)
+    return block_sparse_attention_pallas(q, k, v, block_indices, interpret=interpret, **kw)

@@ -5,7 +5,7 @@ kernel walks only the pages the sequence owns (or, with a window, the pages the 
 reaches), ``pages_per_block`` pages per online-softmax step, reading each through the block
 table. int8 pages are dequantised in the kernel: the per-page, per-head key scale multiplies the
 logits and the value scale the probabilities. Generic Pallas: ``interpret=True`` on CPU,
-default Pallas GPU lowering on GPU (the page pool is addressed as a whole).
+the Triton lowering on GPU (the page pool is addressed as a whole).
 
 Einsum legend: B batch, K kv heads, G query heads per kv head, H head dim.
 """

@@ -4,7 +4,7 @@ Layout inside the kernels: the query heads of one kv head are packed into rows, 
 block is ``[block_q * G, H]`` (row r is token ``r // G``) and every K/V block is read once per
 GQA group. Each program loops only over the key blocks its window reaches (forward, dq) or the
 query blocks that reach it (dkv). Generic Pallas: runs with ``interpret=True`` on CPU; on GPU it
-lowers through the default Pallas GPU lowering (K/V of one (batch, kv head) are addressed as a
+lowers through Triton (K/V of one (batch, kv head) are addressed as a
 whole and sliced with ``pl.ds``).
 
 Einsum legend: B batch, T time, K kv heads, G query heads per kv head, H head dim.

@@ -119,7 +119,7 @@ def test_pallas_group_padding_keeps_values_and_gradients(monkeypatch):
     """On GPU the group is padded to 16 rows for Triton dots; check that path on CPU."""
     from agentrl_jax.kernels import block_sparse_pallas
 
-    monkeypatch.setattr(block_sparse_pallas, "padded_group", lambda g, interpret: 16)
+    monkeypatch.setattr(block_sparse_pallas, "padded_group", lambda g, interpret, tokens=1: 16)
     q, k, v, idx = _inputs(1, 8, 1, 4, 8, jnp.float32, n_sel=2, block_size=4, seed=13)
 
     def loss(f, q, k, v):
@@ -130,6 +130,31 @@ def test_pallas_group_padding_keeps_values_and_gradients(monkeypatch):
         return [
             jax.value_and_grad(loss, argnums=(1, 2, 3))(f, q, k, v)
             for f in (IMPLS["pallas"], block_sparse_attention_reference)
+        ]
+
+    (got_l, got), (want_l, want) = run(q, k, v)
+    np.testing.assert_allclose(got_l, want_l, **GRAD_TOL)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, **GRAD_TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_query_block_shared_selection(impl):
+    """query_block=4: one selection per 4-token group (T=18: last group partial), G=2."""
+    q, k, v, idx = _inputs(1, 18, 2, 2, 16, jnp.float32, n_sel=3, block_size=4, seed=21)
+    idx = jnp.repeat(idx[:, ::4], 4, axis=1)[:, :18]  # the contract: shared within groups
+    w = jnp.asarray(np.random.default_rng(22).standard_normal(q.shape, np.float32))
+
+    def loss(f, q, k, v):
+        return jnp.sum(f(q, k, v, idx, block_size=4) * w)
+
+    fn = functools.partial(IMPLS[impl], query_block=4)
+
+    @fast_jit
+    def run(q, k, v):
+        return [
+            jax.value_and_grad(loss, argnums=(1, 2, 3))(f, q, k, v)
+            for f in (fn, block_sparse_attention_reference)
         ]
 
     (got_l, got), (want_l, want) = run(q, k, v)

@@ -111,5 +111,5 @@ def test_pallas_group_padding_keeps_values(monkeypatch):
     """On GPU the group is padded to 16 rows for Triton dots; check that path on CPU."""
     from agentrl_jax.kernels import paged_decode_pallas
 
-    monkeypatch.setattr(paged_decode_pallas, "padded_group", lambda g, interpret: 16)
+    monkeypatch.setattr(paged_decode_pallas, "padded_group", lambda g, interpret, tokens=1: 16)
     _check("pallas", jnp.float32, None, *_inputs(2, 4, 16, jnp.float32, seed=5))
