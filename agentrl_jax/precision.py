@@ -81,7 +81,9 @@ class DTypePolicy:
             if value not in _DTYPES:
                 raise ValueError(f"DTypePolicy.{field}={value!r}; allowed: {sorted(_DTYPES)}")
         if self.logits_dtype != "float32":
-            raise ValueError(f"DTypePolicy.logits_dtype must be 'float32', got {self.logits_dtype!r}")
+            raise ValueError(
+                f"DTypePolicy.logits_dtype must be 'float32', got {self.logits_dtype!r}"
+            )
         if self.kernel_impl not in ("auto", "xla", "pallas"):
             raise ValueError(
                 f"DTypePolicy.kernel_impl={self.kernel_impl!r}; allowed: 'auto', 'xla', 'pallas'"

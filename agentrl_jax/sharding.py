@@ -93,9 +93,8 @@ def make_mesh(cfg: MeshConfig | None = None, devices=None) -> jax.sharding.Mesh:
 def activate(mesh: jax.sharding.Mesh, cfg: MeshConfig | None = None):
     """Context in which Linen logical constraints resolve against ``mesh``."""
     rules = (cfg or MeshConfig()).logical_rules()
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh:
-        with nn.logical_axis_rules(rules):
-            yield mesh
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield mesh
 
 
 def logical_to_sharding(tree, mesh: jax.sharding.Mesh, cfg: MeshConfig | None = None):

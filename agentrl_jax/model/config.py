@@ -154,7 +154,9 @@ class ModelConfig:
         """Expert capacity for ``n_tokens`` tokens (dropless: every token could hit one expert)."""
         if self.capacity_factor == 0:
             return n_tokens
-        return max(1, math.ceil(self.capacity_factor * n_tokens * self.experts_per_token / self.n_experts))
+        return max(
+            1, math.ceil(self.capacity_factor * n_tokens * self.experts_per_token / self.n_experts)
+        )
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

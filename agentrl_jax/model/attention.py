@@ -1,0 +1,338 @@
+"""Attention layers: gated sliding-window (S), sparse GQA full (F), dense full (D).
+
+Legend: B batch, T query time, C chunk length, S key time, D model dim, N query heads,
+K kv heads, G query heads per kv head, H head dim, J key blocks, P pages, L page size, W window.
+
+Two ways to run one layer, sharing parameters and the projections:
+  * teacher-forced: ``x [B,T,D]`` at positions ``0..T-1``; attention through
+    ``agentrl_jax.kernels`` (impl chosen by the dtype policy).
+  * chunked with a cache: ``x [B,C,D]`` appended after the ``lengths[b]`` tokens already
+    cached. ``S`` layers keep a ring buffer of ``W`` tokens per sequence; ``F``/``D`` layers
+    keep a paged pool ``[P, L, K, H]`` addressed through per-sequence ``block_tables``. The
+    chunk's keys are written first, then the chunk attends over the gathered context with a
+    mask (fixed shapes: decode and chunked training compute identical numbers).
+
+Sparse-attention block scorer (``select_blocks``): each key block is summarised by the mean of
+its (RoPE-rotated) keys; a query's GQA group scores block j with the group-mean query dotted
+with that mean key (MoBA-style mean pooling: no extra parameters, one [T, J] product per KV
+head instead of [T, S]). Blocks after the query's own block are excluded (causal), the own block
+is always kept, and the top ``sparse_topk_tokens / sparse_block_size`` blocks are selected;
+ties go to the lower block index. Selection is not differentiated (indices).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from agentrl_jax import kernels
+from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.layers import param_init, rope
+from agentrl_jax.precision import DTypePolicy
+
+_BIG = 1e30
+
+
+def select_blocks(
+    q: jax.Array,
+    k: jax.Array,
+    *,
+    block_size: int,
+    topk_blocks: int,
+    q_positions: jax.Array,
+    k_valid: jax.Array | None = None,
+) -> jax.Array:
+    """Chooses key blocks per query and KV group (see module docstring).
+
+    Args:
+      q: [B, T, N, H] queries (after RoPE).
+      k: [B, S, K, H] keys at absolute positions ``0..S-1`` (after RoPE).
+      block_size: key block size; S is padded up to a multiple of it.
+      topk_blocks: blocks kept per query (own block included).
+      q_positions: int32 [B, T] absolute positions of the queries.
+      k_valid: optional bool [B, S]; invalid keys do not contribute to block means.
+
+    Returns:
+      int32 [B, T, K, n_sel] block indices, ``-1`` for unused slots; n_sel = min(topk, J).
+    """
+    b, s, n_kv, h = k.shape
+    n_q = q.shape[2]
+    n_blocks = -(-s // block_size)
+    pad = n_blocks * block_size - s
+    valid = jnp.ones((b, s), bool) if k_valid is None else k_valid
+    k32 = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+    valid = jnp.pad(valid, ((0, 0), (0, pad)))
+    kb = k32.reshape(b, n_blocks, block_size, n_kv, h)
+    vb = valid.reshape(b, n_blocks, block_size).astype(jnp.float32)
+    count = jnp.sum(vb, axis=2)  # [B, J]
+    kmean = jnp.einsum("BJLKH,BJL->BJKH", kb, vb) / jnp.maximum(count, 1.0)[..., None, None]
+    qg = q.astype(jnp.float32).reshape(b, q.shape[1], n_kv, n_q // n_kv, h).mean(axis=3)
+    score = jnp.einsum("BTKH,BJKH->BTKJ", qg, kmean)
+    j = jnp.arange(n_blocks)
+    qblock = (q_positions // block_size)[:, :, None, None]
+    allowed = (j <= qblock) & (count[:, None, None, :] > 0)
+    score = jnp.where(allowed, score, -jnp.inf)
+    score = jnp.where(j == qblock, _BIG, score)
+    n_sel = min(topk_blocks, n_blocks)
+    vals, idx = jax.lax.top_k(score, n_sel)
+    idx = jnp.where(jnp.isneginf(vals), -1, idx).astype(jnp.int32)
+    return jax.lax.stop_gradient(idx)
+
+
+def sparse_coverage(
+    q: jax.Array, k: jax.Array, block_indices: jax.Array, *, block_size: int
+) -> jax.Array:
+    """Share of dense causal attention probability mass inside the selected blocks.
+
+    q [B,T,N,H], k [B,T,K,H], block_indices [B,T,K,n_sel] -> float32 [B, T, N] in [0, 1].
+    """
+    b, t, n_q, h = q.shape
+    n_kv = k.shape[2]
+    g = n_q // n_kv
+    logits = jnp.einsum(
+        "BTKGH,BSKH->BTKGS",
+        q.astype(jnp.float32).reshape(b, t, n_kv, g, h),
+        k.astype(jnp.float32),
+    ) / math.sqrt(h)
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T, S]
+    logits = jnp.where(causal[None, :, None, None, :], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    kblock = jnp.arange(t) // block_size  # [S]
+    sel = jnp.any(block_indices[..., None] == kblock, axis=-2)  # [B, T, K, S]
+    mass = jnp.sum(jnp.where(sel[:, :, :, None, :], probs, 0.0), axis=-1)
+    return mass.reshape(b, t, n_q)
+
+
+def masked_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, policy: DTypePolicy
+) -> jax.Array:
+    """Dense attention with an explicit mask; a row with no visible key returns zeros.
+
+    q [B,C,N,H]; k, v [B,S,K,H]; mask bool [B,C,K,S] (shared by a KV group) -> [B,C,N,H].
+    """
+    b, c, n_q, h = q.shape
+    n_kv = k.shape[2]
+    qg = q.reshape(b, c, n_kv, n_q // n_kv, h)
+    logits = jnp.einsum(
+        "BCKGH,BSKH->BCKGS",
+        qg.astype(policy.compute),
+        k.astype(policy.compute),
+        preferred_element_type=policy.attn,
+    ) * jnp.asarray(1.0 / math.sqrt(h), policy.attn)
+    m = mask[:, :, :, None, :]
+    logits = jnp.where(m, logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    p = jnp.where(m, jnp.exp(logits - row_max), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum(
+        "BCKGS,BSKH->BCKGH",
+        p.astype(policy.compute),
+        v.astype(policy.compute),
+        preferred_element_type=policy.accum,
+    )
+    return out.reshape(b, c, n_q, h).astype(policy.compute)
+
+
+def ring_positions(lengths: jax.Array, window: int) -> jax.Array:
+    """Absolute position held by each ring slot given ``lengths`` cached tokens; -1 if empty.
+
+    lengths int32 [B] -> int32 [B, W]. Slot s holds the latest position p < length, p % W == s.
+    """
+    s = jnp.arange(window)[None, :]
+    last = lengths[:, None] - 1
+    p = last - jnp.mod(last - s, window)
+    return jnp.where(p >= 0, p, -1)
+
+
+def init_layer_cache(
+    kind: str,
+    cfg: ModelConfig,
+    policy: DTypePolicy,
+    *,
+    batch: int,
+    n_pages: int,
+    page_size: int,
+) -> dict[str, jax.Array]:
+    """Empty cache of one layer: ring ``{k, v}: [B, W, K, H]`` for S, pool ``[P, L, K, H]`` else."""
+    if policy.kv_cache_dtype == "int8":
+        raise ValueError(
+            "kv_cache_dtype='int8' pages are produced by rollout eviction "
+            "(agentrl_jax.rollout.kv_cache); the model cache holds float pages"
+        )
+    dt = policy.kv_cache
+    if kind == "S":
+        shape = (batch, cfg.window, cfg.n_kv_heads, cfg.head_dim)
+    else:
+        shape = (n_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
+
+
+class Attention(nn.Module):
+    """One attention layer of kind ``S``, ``F`` or ``D`` (see module docstring)."""
+
+    cfg: ModelConfig
+    policy: DTypePolicy
+    kind: str
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        *,
+        cache: dict | None = None,
+        meta: dict | None = None,
+        valid: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict | None]:
+        """x [B,T,D] -> ([B,T,D], new layer cache or None).
+
+        Teacher-forced when ``cache`` is None (positions must be 0..T-1). Chunked otherwise:
+        ``meta`` holds ``lengths`` int32 [B] (tokens cached before this chunk) and, for F/D,
+        ``block_tables`` int32 [B, max_pages]; ``valid`` bool [B,C] marks the real rows (a
+        prefix of each row of the chunk).
+        """
+        cfg, pol = self.cfg, self.policy
+        n, kh, h, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+        init = param_init(cfg.init_std)
+        out_init = param_init(cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        wq = self.param(
+            "wq",
+            nn.with_logical_partitioning(init, ("embed", "heads", "head_dim")),
+            (d, n, h),
+            pol.param,
+        )
+        wk = self.param(
+            "wk",
+            nn.with_logical_partitioning(init, ("embed", "kv_heads", "head_dim")),
+            (d, kh, h),
+            pol.param,
+        )
+        wv = self.param(
+            "wv",
+            nn.with_logical_partitioning(init, ("embed", "kv_heads", "head_dim")),
+            (d, kh, h),
+            pol.param,
+        )
+        wo = self.param(
+            "wo",
+            nn.with_logical_partitioning(out_init, ("heads", "head_dim", "embed")),
+            (n, h, d),
+            pol.param,
+        )
+        q = rope(pol.einsum("BTD,DNH->BTNH", x, wq), positions, cfg.rope_theta)
+        k = rope(pol.einsum("BTD,DKH->BTKH", x, wk), positions, cfg.rope_theta)
+        v = pol.einsum("BTD,DKH->BTKH", x, wv)
+
+        if cache is None:
+            out = self._teacher(q, k, v, positions)
+            new_cache = None
+        else:
+            out, new_cache = self._chunk(q, k, v, positions, cache, meta, valid)
+
+        if self.kind == "S":
+            wg = self.param(
+                "wg", nn.with_logical_partitioning(init, ("embed", "heads")), (d, n), pol.param
+            )
+            gate = jax.nn.sigmoid(pol.einsum("BTD,DN->BTN", x, wg).astype(jnp.float32))
+            out = (out.astype(jnp.float32) * gate[..., None]).astype(pol.compute)
+        y = pol.einsum("BTNH,NHD->BTD", out, wo)
+        return y, new_cache
+
+    # Teacher-forced ----------------------------------------------------------------------
+    def _teacher(self, q, k, v, positions):
+        cfg, impl = self.cfg, self.policy.kernel_impl
+        t = q.shape[1]
+        if self.kind == "S":
+            return kernels.sliding_window_attention(q, k, v, window=cfg.window, impl=impl)
+        if self.kind == "D":
+            return kernels.sliding_window_attention(q, k, v, window=t, impl=impl)
+        idx = select_blocks(
+            q,
+            k,
+            block_size=cfg.sparse_block_size,
+            topk_blocks=cfg.sparse_topk_blocks,
+            q_positions=positions,
+        )
+        return kernels.block_sparse_attention(
+            q, k, v, idx, block_size=cfg.sparse_block_size, impl=impl
+        )
+
+    # Chunked with cache ------------------------------------------------------------------
+    def _chunk(self, q, k, v, positions, cache, meta, valid):
+        cfg, pol = self.cfg, self.policy
+        b, c = q.shape[:2]
+        lengths = meta["lengths"]
+        valid = jnp.ones((b, c), bool) if valid is None else valid
+        new_len = lengths + jnp.sum(valid, axis=1).astype(lengths.dtype)
+        kd, vd = k.astype(pol.kv_cache), v.astype(pol.kv_cache)
+        if self.kind == "S":
+            w = cfg.window
+            ring_k, ring_v = cache["k"], cache["v"]
+            # The ring's W slots and the chunk's C rows hold positions len-W .. len+C-1, one of
+            # each residue mod W+C. Keys are laid out at slot ``position mod (W+C)`` so a key
+            # sits at the same index whichever chunk brought it: the softmax then reduces in the
+            # same order in decode and in chunked training (bitwise parity).
+            last = lengths[:, None] - 1
+            ring_pos = last - jnp.mod(last - jnp.arange(w)[None, :], w)  # may be < 0: empty
+            cand = jnp.concatenate([ring_pos, positions], axis=1)  # [B, W+C]
+            inv = jnp.argsort(jnp.mod(cand, w + c), axis=1)
+            kpos = jnp.concatenate([ring_pos, jnp.where(valid, positions, -1)], axis=1)
+            kpos = jnp.take_along_axis(kpos, inv, axis=1)
+            keys = jnp.take_along_axis(
+                jnp.concatenate([ring_k, kd], axis=1), inv[..., None, None], axis=1
+            )
+            vals = jnp.take_along_axis(
+                jnp.concatenate([ring_v, vd], axis=1), inv[..., None, None], axis=1
+            )
+            qp = positions[:, :, None]
+            kp = kpos[:, None, :]
+            mask = (kp >= 0) & (kp <= qp) & (kp > qp - w)  # [B, C, W+C]
+            mask = jnp.broadcast_to(mask[:, :, None, :], (b, c, cfg.n_kv_heads, keys.shape[1]))
+            out = masked_attention(q, keys, vals, mask, pol)
+            # Write only rows among the last W of the chunk: slots are then unique.
+            write = valid & (positions >= new_len[:, None] - w)
+            slot = jnp.where(write, positions % w, w)  # w is out of range -> dropped
+            bidx = jnp.broadcast_to(jnp.arange(b)[:, None], (b, c))
+            new_k = ring_k.at[bidx, slot].set(kd, mode="drop")
+            new_v = ring_v.at[bidx, slot].set(vd, mode="drop")
+            return out, {"k": new_k, "v": new_v}
+
+        pool_k, pool_v = cache["k"], cache["v"]
+        n_pages, page = pool_k.shape[:2]
+        tables = meta["block_tables"]
+        page_of = jnp.take_along_axis(
+            tables, jnp.clip(positions // page, 0, tables.shape[1] - 1), axis=1
+        )
+        page_of = jnp.where(valid & (page_of >= 0), page_of, n_pages)  # invalid -> dropped
+        slot = positions % page
+        pool_k = pool_k.at[page_of, slot].set(kd, mode="drop")
+        pool_v = pool_v.at[page_of, slot].set(vd, mode="drop")
+        safe = jnp.maximum(tables, 0)
+        s = tables.shape[1] * page
+        keys = pool_k[safe].reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
+        vals = pool_v[safe].reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
+        kpos = jnp.arange(s)
+        k_valid = kpos[None, :] < new_len[:, None]
+        if "keep" in meta:  # eviction replay: bool [B, S] of keys still held
+            k_valid = k_valid & meta["keep"]
+        mask = k_valid[:, None, :] & (kpos[None, None, :] <= positions[:, :, None])  # [B,C,S]
+        mask = jnp.broadcast_to(mask[:, :, None, :], (b, c, cfg.n_kv_heads, s))
+        if self.kind == "F":
+            idx = select_blocks(
+                q,
+                keys,
+                block_size=cfg.sparse_block_size,
+                topk_blocks=cfg.sparse_topk_blocks,
+                q_positions=positions,
+                k_valid=k_valid,
+            )
+            kblock = kpos // cfg.sparse_block_size
+            sel = jnp.any(idx[..., None] == kblock, axis=-2)  # [B, C, K, S]
+            mask = mask & sel
+        out = masked_attention(q, keys, vals, mask, pol)
+        return out, {"k": pool_k, "v": pool_v}

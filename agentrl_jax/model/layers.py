@@ -1,0 +1,100 @@
+"""Basic layers: RMSNorm, tied embedding, rotary position embedding.
+
+Legend: B batch, T time, D model dim, N query heads, H head dim, V vocab.
+Every layer takes the run's ``DTypePolicy``; nothing here hard-codes a dtype except the
+fp32 statistics of the norm and the fp32 logits the policy requires.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.precision import DTypePolicy
+
+
+def param_init(std: float):
+    return nn.initializers.normal(stddev=std)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with fp32 statistics; output in the compute dtype. x [..., D] -> [..., D]."""
+
+    cfg: ModelConfig
+    policy: DTypePolicy
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+            (x.shape[-1],),
+            self.policy.param,
+        )
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        y = x32 * jax.lax.rsqrt(var + self.cfg.norm_eps) * (1.0 + scale.astype(jnp.float32))
+        return y.astype(self.policy.compute)
+
+
+class Embedder(nn.Module):
+    """Token embedding; with tied embeddings the same table produces the logits."""
+
+    cfg: ModelConfig
+    policy: DTypePolicy
+
+    def setup(self):
+        self.table = self.param(
+            "table",
+            nn.with_logical_partitioning(param_init(1.0), ("vocab", "embed")),
+            (self.cfg.vocab_size, self.cfg.d_model),
+            self.policy.param,
+        )
+        if not self.cfg.tie_embeddings:
+            self.unembed = self.param(
+                "unembed",
+                nn.with_logical_partitioning(param_init(self.cfg.init_std), ("embed", "vocab")),
+                (self.cfg.d_model, self.cfg.vocab_size),
+                self.policy.param,
+            )
+
+    def encode(self, tokens: jax.Array) -> jax.Array:
+        """tokens int32 [B, T] -> [B, T, D] (compute dtype), scaled by sqrt(D)."""
+        x = jnp.take(self.table, tokens, axis=0)
+        return (x * jnp.sqrt(float(self.cfg.d_model)).astype(x.dtype)).astype(self.policy.compute)
+
+    def decode(self, x: jax.Array) -> jax.Array:
+        """x [B, T, D] -> logits float32 [B, T, V]."""
+        if self.cfg.tie_embeddings:
+            # Tied table has unit-variance rows; scale keeps initial logits O(1).
+            w = self.table * (1.0 / jnp.sqrt(float(self.cfg.d_model)))
+            logits = jnp.einsum(
+                "BTD,VD->BTV",
+                x.astype(self.policy.compute),
+                w.astype(self.policy.compute),
+                preferred_element_type=jnp.float32,
+            )
+        else:
+            logits = jnp.einsum(
+                "BTD,DV->BTV",
+                x.astype(self.policy.compute),
+                self.unembed.astype(self.policy.compute),
+                preferred_element_type=jnp.float32,
+            )
+        return logits.astype(self.policy.logits)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding (half-split layout). x [B, T, N, H], positions int32 [B, T]."""
+    h = x.shape[-1]
+    if h % 2:
+        raise ValueError(f"rope needs an even head_dim, got {h=}")
+    freq = theta ** (-jnp.arange(0, h // 2, dtype=jnp.float32) * 2.0 / h)
+    angle = positions.astype(jnp.float32)[..., None] * freq  # [B, T, H/2]
+    sin = jnp.sin(angle)[:, :, None, :]
+    cos = jnp.cos(angle)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)

@@ -1,0 +1,300 @@
+"""The decoder: embedding, a scanned stack of layer-pattern groups, fp32 logits.
+
+Legend: B batch, T time, C chunk length, D model dim, V vocab, G pattern groups (scan length),
+P layers per group (``len(layer_pattern)``), L_moe MoE layers (``n_layers`` when MoE), k experts
+per token.
+
+One ``Transformer.apply`` serves both paths:
+  * teacher-forced: ``apply(params, tokens[B,T])`` (training, logprob recompute);
+  * chunked with a cache: ``apply(params, tokens[B,C], cache=cache, valid=valid[B,C])``
+    appends the chunk after ``cache['lengths']`` tokens (prefill and decode in the rollout).
+
+``forward_chunked`` runs the teacher-forced pass as a ``lax.scan`` of the chunk function; with
+the sampler using the same chunk size, batch and cache capacity, rollout and training logprobs are
+bitwise equal (the ``*-parity`` dtype policies use it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from agentrl_jax.model.attention import Attention, init_layer_cache
+from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.layers import Embedder, RMSNorm
+from agentrl_jax.model.moe import MLP, MoE
+from agentrl_jax.precision import DTypePolicy
+
+_REMAT = {
+    "full": lambda: jax.checkpoint_policies.nothing_saveable,
+    "dots": lambda: jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": lambda: jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: attention of ``kind`` then a dense or MoE FFN."""
+
+    cfg: ModelConfig
+    policy: DTypePolicy
+    kind: str
+
+    @nn.compact
+    def __call__(self, x, positions, cache, meta, valid, replay):
+        cfg, pol = self.cfg, self.policy
+        h = RMSNorm(cfg, pol, name="attn_norm")(x)
+        a, cache = Attention(cfg, pol, self.kind, name="attn")(
+            h, positions, cache=cache, meta=meta, valid=valid
+        )
+        x = x + a
+        h = RMSNorm(cfg, pol, name="ffn_norm")(x)
+        if cfg.is_moe:
+            f, routes, aux = MoE(cfg, pol, name="moe")(h, valid=valid, replay_routes=replay)
+        else:
+            f, routes, aux = MLP(cfg, pol, name="mlp")(h), None, {}
+        x = nn.with_logical_constraint(x + f, ("batch", "seq", "embed"))
+        return x, cache, routes, aux
+
+
+class Group(nn.Module):
+    """One repetition of the layer pattern: the body of the depth scan."""
+
+    cfg: ModelConfig
+    policy: DTypePolicy
+
+    @nn.compact
+    def __call__(self, x, xs, positions, meta, valid):
+        caches, replay = xs
+        new_caches, routes, aux_sum = {}, [], {}
+        for i, kind in enumerate(self.cfg.layer_pattern):
+            name = f"layer_{i}"
+            x, c, r, aux = Block(self.cfg, self.policy, kind, name=name)(
+                x,
+                positions,
+                None if caches is None else caches[name],
+                meta,
+                valid,
+                None if replay is None else replay[:, :, i],
+            )
+            if c is not None:
+                new_caches[name] = c
+            if r is not None:
+                routes.append(r)
+            for key, value in aux.items():
+                aux_sum[key] = aux_sum.get(key, 0.0) + value
+        routes = jnp.stack(routes, axis=2) if routes else None  # [B, T, P, k]
+        return x, (new_caches or None, routes, aux_sum)
+
+
+class Transformer(nn.Module):
+    """Decoder-only transformer with hybrid attention and optional MoE FFNs."""
+
+    cfg: ModelConfig
+    policy: DTypePolicy
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        cache: dict | None = None,
+        valid: jax.Array | None = None,
+        replay_routes: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict | None, dict]:
+        """Forward pass.
+
+        Args:
+          tokens: int32 [B, T] (teacher-forced) or [B, C] (a chunk appended to ``cache``).
+          cache: None, or the dict from :func:`init_cache` (``layers``, ``lengths``,
+            ``block_tables``) — then positions continue from ``cache['lengths']``.
+          valid: bool [B, C] real rows of a chunk (a prefix of each row); default all.
+          replay_routes: int32 [B, T, L_moe, k] expert indices to force (routing replay).
+
+        Returns:
+          (logits float32 [B, T, V], new cache or None, extras) where extras holds ``routes``
+          int32 [B, T, L_moe, k] (MoE only) and summed aux losses (``aux_loss`` etc.).
+        """
+        cfg, pol = self.cfg, self.policy
+        b, t = tokens.shape
+        p = len(cfg.layer_pattern)
+        embedder = Embedder(cfg, pol, name="embed")
+        x = nn.with_logical_constraint(embedder.encode(tokens), ("batch", "seq", "embed"))
+        if cache is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            meta, layer_caches = None, None
+        else:
+            positions = cache["lengths"][:, None] + jnp.arange(t, dtype=jnp.int32)
+            meta = {k: v for k, v in cache.items() if k != "layers"}
+            layer_caches = cache["layers"]
+        replay = None
+        if replay_routes is not None:
+            if not cfg.is_moe:
+                raise ValueError("replay_routes given but the model has no MoE layers")
+            want = (b, t, cfg.n_layers, cfg.experts_per_token)
+            if replay_routes.shape != want:
+                raise ValueError(f"replay_routes.shape={replay_routes.shape}, expected {want}")
+            replay = replay_routes.reshape(b, t, cfg.n_groups, p, -1).transpose(2, 0, 1, 3, 4)
+
+        group = Group
+        if cfg.remat != "none":
+            group = nn.remat(Group, policy=_REMAT[cfg.remat](), prevent_cse=False)
+        scanned = nn.scan(
+            group,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.n_groups,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x, (new_layers, routes, aux) = scanned(cfg, pol, name="groups")(
+            x, (layer_caches, replay), positions, meta, valid
+        )
+        x = RMSNorm(cfg, pol, name="final_norm")(x)
+        logits = embedder.decode(x)
+
+        extras = {k: jnp.sum(v) for k, v in aux.items()}
+        if routes is not None:  # [G, B, T, P, k] -> [B, T, G*P, k]
+            extras["routes"] = routes.transpose(1, 2, 0, 3, 4).reshape(b, t, cfg.n_layers, -1)
+        new_cache = None
+        if cache is not None:
+            v = jnp.ones((b, t), bool) if valid is None else valid
+            new_cache = dict(cache)
+            new_cache["layers"] = new_layers
+            new_cache["lengths"] = cache["lengths"] + jnp.sum(v, axis=1).astype(jnp.int32)
+        return logits, new_cache, extras
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """Shape of a model cache: ``batch`` sequences, each up to ``max_len`` tokens in pages.
+
+    ``n_pages`` defaults to ``batch * ceil(max_len / page_size)`` (every sequence owns its pages;
+    the rollout allocator may share a smaller pool). ``page_size`` must be a multiple of
+    ``sparse_block_size`` so key blocks never straddle pages.
+    """
+
+    batch: int
+    max_len: int
+    page_size: int = 16
+    n_pages: int | None = None
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_len // self.page_size)
+
+    @property
+    def pool_pages(self) -> int:
+        return self.n_pages if self.n_pages is not None else self.batch * self.pages_per_seq
+
+
+def init_cache(cfg: ModelConfig, policy: DTypePolicy, spec: CacheSpec) -> dict:
+    """Empty cache with contiguous per-sequence block tables (``lengths`` all zero).
+
+    Raises ``ValueError`` if ``page_size`` is not a multiple of ``sparse_block_size``.
+    """
+    if spec.page_size % cfg.sparse_block_size and "F" in cfg.layer_pattern:
+        raise ValueError(
+            f"CacheSpec.page_size={spec.page_size} must be a multiple of "
+            f"sparse_block_size={cfg.sparse_block_size}"
+        )
+    if spec.batch <= 0 or spec.max_len <= 0:
+        raise ValueError(f"CacheSpec batch={spec.batch} and max_len={spec.max_len} must be > 0")
+    layers = {}
+    for i, kind in enumerate(cfg.layer_pattern):
+        one = init_layer_cache(
+            kind, cfg, policy, batch=spec.batch, n_pages=spec.pool_pages, page_size=spec.page_size
+        )
+        layers[f"layer_{i}"] = jax.tree.map(
+            lambda a: jnp.broadcast_to(a, (cfg.n_groups, *a.shape)), one
+        )
+    tables = jnp.arange(spec.batch * spec.pages_per_seq, dtype=jnp.int32).reshape(
+        spec.batch, spec.pages_per_seq
+    )
+    if spec.n_pages is not None:  # shared pool: the allocator fills the tables
+        tables = jnp.full_like(tables, -1)
+    return {
+        "layers": layers,
+        "lengths": jnp.zeros((spec.batch,), jnp.int32),
+        "block_tables": tables,
+    }
+
+
+def forward_chunked(
+    model: Transformer,
+    params,
+    tokens: jax.Array,
+    *,
+    chunk: int,
+    page_size: int = 16,
+    max_len: int | None = None,
+    replay_routes: jax.Array | None = None,
+) -> tuple[jax.Array, dict]:
+    """Teacher-forced forward as a ``lax.scan`` of the chunk function (parity path).
+
+    tokens int32 [B, T] -> (logits float32 [B, T, V], extras). ``max_len`` (default T rounded
+    up to ``chunk``) must equal the sampler's cache capacity for bitwise agreement.
+    """
+    b, t = tokens.shape
+    if chunk <= 0:
+        raise ValueError(f"{chunk=} must be > 0")
+    n_chunks = -(-t // chunk)
+    t_pad = n_chunks * chunk
+    max_len = max_len or t_pad
+    if max_len < t_pad:
+        raise ValueError(f"{max_len=} must be >= tokens rounded up to the chunk ({t_pad})")
+    cache = init_cache(model.cfg, model.policy, CacheSpec(b, max_len, page_size))
+    toks = jnp.pad(tokens, ((0, 0), (0, t_pad - t))).reshape(b, n_chunks, chunk).transpose(1, 0, 2)
+    valid = (jnp.arange(t_pad) < t).reshape(n_chunks, chunk)
+    rr = None
+    if replay_routes is not None:
+        rr = jnp.pad(replay_routes, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
+        rr = rr.reshape(b, n_chunks, chunk, *rr.shape[2:]).swapaxes(0, 1)
+
+    def step(cache, xs):
+        tok, val, rep = xs
+        logits, cache, extras = model.apply(
+            params, tok, cache=cache, valid=jnp.broadcast_to(val, (b, chunk)), replay_routes=rep
+        )
+        return cache, (logits, extras)
+
+    _, (logits, extras) = jax.lax.scan(step, cache, (toks, valid, rr))
+    logits = logits.swapaxes(0, 1).reshape(b, t_pad, -1)[:, :t]
+    out = {k: jnp.sum(v) for k, v in extras.items() if k != "routes"}
+    if "routes" in extras:
+        r = extras["routes"]
+        out["routes"] = r.swapaxes(0, 1).reshape(b, t_pad, *r.shape[3:])[:, :t]
+    return logits, out
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """log p(tokens) under fp32 ``logits``: [B,T,V], int [B,T] -> float32 [B,T]."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
+    return picked - lse
+
+
+def token_entropy(logits: jax.Array) -> jax.Array:
+    """Entropy of the fp32 softmax: [B,T,V] -> [B,T]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def init_params(model: Transformer, rng: jax.Array, seq_len: int = 8):
+    """Initialises parameters (logical-partitioning boxes stripped) from a PRNG key.
+
+    The key is turned into an ``unsafe_rbg`` key first: threefry-based initialisers make XLA
+    compile the init program 2-3x slower on CPU, and init quality does not need threefry.
+    """
+    key = jax.random.wrap_key_data(jax.random.bits(rng, (4,), jnp.uint32), impl="unsafe_rbg")
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+    variables = jax.jit(model.init)(key, tokens)
+    return nn.unbox(variables)
+
+
+def param_count(params) -> int:
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
