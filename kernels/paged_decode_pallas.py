@@ -2,10 +2,11 @@
 
 One program per (sequence, kv head): the G query heads of the group form a ``[G, H]`` tile; the
 kernel walks only the pages the sequence owns (or, with a window, the pages the window
-reaches), ``pages_per_block`` pages per online-softmax step, reading each through the block
-table. int8 pages are dequantised in the kernel: the per-page, per-head key scale multiplies the
-logits and the value scale the probabilities. Generic Pallas: ``interpret=True`` on CPU,
-the Triton lowering on GPU (the page pool is addressed as a whole).
+reaches), ``pages_per_block`` pages per loop iteration (one online-softmax update each),
+reading each through the block table. int8 pages are dequantised in the kernel: the per-page,
+per-head key scale multiplies the logits and the value scale the values.
+Generic Pallas: ``interpret=True`` on CPU, the Triton lowering on GPU (the page pool is
+addressed as a whole).
 
 Einsum legend: B batch, K kv heads, G query heads per kv head, H head dim.
 """
@@ -31,7 +32,7 @@ from jax.experimental import pallas as pl
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Static tiling: pages folded into one online-softmax step."""
+    """Static tiling: pages handled per loop iteration (unrolled)."""
 
     pages_per_block: int = 1
 
@@ -56,37 +57,19 @@ def _kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, scale, window, ppb, qua
     n_steps = (pl.cdiv(length, ps) - first_page + ppb - 1) // ppb
 
     def body(step, carry):
-        logits, vals, v_scales = [], [], []
-        for j in range(ppb):  # static unroll over the pages of one step
-            slot = jnp.minimum(first_page + step * ppb + j, max_pages - 1)
-            page = jnp.clip(bt_ref[slot], 0, num_pages - 1)
-            k = k_ref[pl.ds(page, 1), :, pl.ds(kv_head, 1), :].reshape(ps, h)
+        for j in range(ppb):  # static unroll: one online-softmax update per page
+            slot = first_page + step * ppb + j
+            page = jnp.clip(bt_ref[jnp.minimum(slot, max_pages - 1)], 0, num_pages - 1)
+            k = k_ref[pl.ds(page, 1), :, pl.ds(kv_head, 1), :].reshape(ps, h).astype(q.dtype)
             v = v_ref[pl.ds(page, 1), :, pl.ds(kv_head, 1), :].reshape(ps, h)
-            s = qk_logits(q, k.astype(q.dtype), scale)
-            if quantized:
+            s = qk_logits(q, k, scale)
+            if quantized:  # dequantise: key scale on the logits, value scale on the values
                 s = s * ks_ref[page, kv_head]
-                v_scales.append(jnp.full((g, ps), vs_ref[page, kv_head], jnp.float32))
-            pos = (first_page + step * ppb + j) * ps
-            pos = pos + jax.lax.broadcasted_iota(jnp.int32, (g, ps), 1)
-            logits.append(jnp.where((pos < length) & (pos >= first_tok), s, -jnp.inf))
-            vals.append(v.astype(q.dtype))
-        s = logits[0] if ppb == 1 else jnp.concatenate(logits, axis=1)
-        v = vals[0] if ppb == 1 else jnp.concatenate(vals, axis=0)
-        if not quantized:
-            return online_softmax_step(carry, s, v)
-        # Value scale folded into the probabilities: sum_s p_s * (scale_s * v_s).
-        m_prev, l_prev, acc = carry
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m_prev - m_safe)
-        p = jnp.exp(s - m_safe[:, None])
-        pv = jax.lax.dot_general(
-            (p * (v_scales[0] if ppb == 1 else jnp.concatenate(v_scales, axis=1))).astype(v.dtype),
-            v,
-            (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
-        )
-        return m_new, alpha * l_prev + jnp.sum(p, axis=-1), alpha[:, None] * acc + pv
+                v = v.astype(jnp.float32) * vs_ref[page, kv_head]
+            pos = slot * ps + jax.lax.broadcasted_iota(jnp.int32, (g, ps), 1)
+            s = jnp.where((pos < length) & (pos >= first_tok), s, -jnp.inf)
+            carry = online_softmax_step(carry, s, v.astype(q.dtype))
+        return carry
 
     carry = jax.lax.fori_loop(0, n_steps, body, online_softmax_init(g, h))
     o_ref[...] = online_softmax_finish(carry)[0].astype(o_ref.dtype)

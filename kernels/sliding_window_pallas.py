@@ -24,6 +24,7 @@ from agentrl_jax.kernels.attention_math import (
     online_softmax_finish,
     online_softmax_init,
     online_softmax_step,
+    padded_group,
     qk_logits,
 )
 from jax.experimental import pallas as pl
@@ -242,8 +243,12 @@ def sliding_window_attention_pallas(
     if pad:
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
     tp = t + pad
-    qp = q.reshape(b, tp, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, tp * g, h)
+    qp = q.reshape(b, tp, kh, g, h).transpose(0, 2, 1, 3, 4)
+    gp = padded_group(g, interpret, block_sizes.block_q)  # power-of-two row tiles on GPU
+    if gp > g:  # zero query heads, sliced off below (zero cotangent)
+        qp = jnp.pad(qp, ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0)))
+    qp = qp.reshape(b, kh, tp * gp, h)
     kp, vp = (x.transpose(0, 2, 1, 3) for x in (k, v))
     o = _swa(qp, kp, vp, window, scale, block_sizes, interpret)
-    o = o.reshape(b, kh, tp, g, h).transpose(0, 2, 1, 3, 4).reshape(b, tp, n, h)
-    return o[:, :t]
+    o = o.reshape(b, kh, tp, gp, h)[:, :, :t, :g]
+    return o.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)

@@ -119,3 +119,26 @@ def test_pallas_block_sizes_must_divide_seq_len():
     q, k, v = _inputs(1, 12, 1, 1, 4, jnp.float32)
     with pytest.raises(ValueError, match="seq_len=12 must be a multiple of block_q=8"):
         sliding_window_attention_pallas(q, k, v, window=2, block_sizes=BlockSizes(8, 4))
+
+
+def test_pallas_group_padding_keeps_gradients(monkeypatch):
+    """On GPU a non-power-of-two group is padded (Triton tiles); check that path on CPU."""
+    from agentrl_jax.kernels import sliding_window_pallas
+
+    monkeypatch.setattr(sliding_window_pallas, "padded_group", lambda g, interpret, tokens=1: 4)
+    q, k, v = _inputs(1, 16, 1, 3, 8, jnp.float32, seed=31)
+
+    def loss(f, q, k, v):
+        return jnp.sum(jnp.sin(f(q, k, v, window=5)))
+
+    @fast_jit
+    def run(q, k, v):
+        return [
+            jax.value_and_grad(loss, argnums=(1, 2, 3))(f, q, k, v)
+            for f in (IMPLS["pallas"], sliding_window_attention_reference)
+        ]
+
+    (got_l, got), (want_l, want) = run(q, k, v)
+    np.testing.assert_allclose(got_l, want_l, **GRAD_TOL)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, **GRAD_TOL)
