@@ -115,27 +115,20 @@ def test_bad_inputs_raise():
         block_sparse_attention(q, k, v, idx[:, :4], block_size=4, impl="xla")
 
 
-def test_pallas_group_padding_keeps_values_and_gradients(monkeypatch):
+def test_pallas_group_padding_keeps_values(monkeypatch):
     """On GPU the group is padded to 16 rows for Triton dots; check that path on CPU."""
     from agentrl_jax.kernels import block_sparse_pallas
 
     monkeypatch.setattr(block_sparse_pallas, "padded_group", lambda g, interpret, tokens=1: 16)
     q, k, v, idx = _inputs(1, 8, 1, 4, 8, jnp.float32, n_sel=2, block_size=4, seed=13)
 
-    def loss(f, q, k, v):
-        return jnp.sum(jnp.sin(f(q, k, v, idx, block_size=4)))
-
     @fast_jit
-    def run(q, k, v):
-        return [
-            jax.value_and_grad(loss, argnums=(1, 2, 3))(f, q, k, v)
-            for f in (IMPLS["pallas"], block_sparse_attention_reference)
-        ]
+    def both(q, k, v):
+        out = IMPLS["pallas"](q, k, v, idx, block_size=4)
+        return out, block_sparse_attention_reference(q, k, v, idx, block_size=4)
 
-    (got_l, got), (want_l, want) = run(q, k, v)
-    np.testing.assert_allclose(got_l, want_l, **GRAD_TOL)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, **GRAD_TOL)
+    out, ref = both(q, k, v)
+    np.testing.assert_allclose(out, ref, **TOL[jnp.float32])
 
 
 @pytest.mark.parametrize("impl", IMPLS)

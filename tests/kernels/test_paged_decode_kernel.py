@@ -82,7 +82,7 @@ def _check(impl, dtype, window, q, k, v, tables, lengths, scales):
     )
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize(
     "g,window,dtype",
     [(1, None, jnp.float32), (4, 6, jnp.bfloat16), (8, 1, jnp.float32), (4, None, jnp.bfloat16)],
@@ -91,7 +91,7 @@ def test_matches_reference(impl, g, window, dtype):
     _check(impl, dtype, window, *_inputs(2, g, 16, dtype, seed=g))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ["xla", "pallas-2pages"])
 @pytest.mark.parametrize("window,dtype", [(None, jnp.float32), (6, jnp.bfloat16)])
 def test_int8_pages_match_reference(impl, window, dtype):
     _check(impl, dtype, window, *_inputs(2, 4, 16, dtype, seed=3, int8=True))
