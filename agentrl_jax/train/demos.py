@@ -1,0 +1,223 @@
+"""Demonstrations for the SFT warm start: scripted-expert episodes as padded token batches.
+
+A demonstration is one episode of the code-repair environment played by the scripted expert
+(``envs.coderepair.ExpertPolicy``), optionally with detours (a wrong edit, a ``run`` that shows
+it failed, then the fix). It is stored as numpy arrays (T = episode tokens):
+
+  * ``tokens`` int32 [T]: the whole episode stream (prompt, turns, observations);
+  * ``action_mask`` bool [T]: tokens the expert (the policy) emitted;
+  * ``fix_mask`` bool [T]: action tokens of the turns that change the program (``edit``/``sub``),
+    the turns that decide success (``run`` and ``submit`` turns are easy to imitate);
+  * ``turn_ids`` int32 [T]: 0 on the prompt, k on the k-th turn and its observation.
+
+Batches (``pad_batch``) pad every array to the smallest bucket length that holds the longest
+episode, so a run compiles one train step per bucket; ``valid`` marks real tokens. Episodes
+longer than the largest bucket are dropped by ``DemoStream`` (counted in ``dropped``).
+
+The stream is a ``grain`` pipeline: task specs from ``data.task_dataset`` over the train split
+(``data.DataConfig`` cells, equal weight per difficulty), mapped to demonstrations by
+``MakeDemo`` in reader threads that overlap with the jitted train step; its iterator state is a
+small JSON dict (restored exactly on resume).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from agentrl_jax.data import DataConfig, task_dataset
+from agentrl_jax.envs.coderepair import CodeRepairEnv, CodeTokenizer, ExpertPolicy, make_task
+from agentrl_jax.envs.episode import play_episode
+
+FIX_TOOLS = ("edit", "sub")
+DEMO_KEYS = ("tokens", "action_mask", "fix_mask", "turn_ids")
+
+
+def demo_episode(
+    spec: Mapping[str, Any],
+    tokenizer: CodeTokenizer,
+    *,
+    detour_prob: float = 0.0,
+    detour_seed: int = 0,
+) -> dict[str, Any]:
+    """Plays the expert on the task of ``spec``; returns the demonstration arrays.
+
+    Args:
+      spec: a task spec (``seed``, ``difficulty``, ``bug_types``) as ``data.task_dataset`` yields.
+      tokenizer: the shared tokenizer.
+      detour_prob: probability of a detour before each fix, in ``[0, 1]``.
+      detour_seed: randomness of the detours.
+
+    Returns:
+      ``{"tokens", "action_mask", "fix_mask", "turn_ids"}`` numpy arrays of length T (see the
+      module docstring), plus ``"success"`` (bool), ``"bug_types"`` and ``"seed"``.
+
+    Raises:
+      ValueError: bad ``detour_prob`` or task spec.
+    """
+    task = make_task(int(spec["seed"]), int(spec["difficulty"]), bug_types=tuple(spec["bug_types"]))
+    policy = ExpertPolicy(task, tokenizer, detour_prob=detour_prob, seed=detour_seed)
+    ep = play_episode(CodeRepairEnv(tokenizer), task, policy)
+    fix_turns = [k + 1 for k, log in enumerate(ep.logs) if log.get("tool") in FIX_TOOLS]
+    fix_mask = ep.action_mask & np.isin(ep.turn_ids, fix_turns)
+    return {
+        "tokens": ep.tokens,
+        "action_mask": ep.action_mask,
+        "fix_mask": fix_mask,
+        "turn_ids": ep.turn_ids,
+        "success": ep.success,
+        "bug_types": task.bug_types,
+        "seed": task.seed,
+    }
+
+
+class MakeDemo(grain.transforms.Map):
+    """grain transform: task spec -> demonstration (``demo_episode``)."""
+
+    def __init__(self, detour_prob: float = 0.0, detour_seed: int = 0):
+        if not 0.0 <= detour_prob <= 1.0:
+            raise ValueError(f"detour_prob={detour_prob} must be in [0, 1]")
+        self.detour_prob = detour_prob
+        self.detour_seed = detour_seed
+        self.tokenizer = CodeTokenizer()
+
+    def map(self, element: Mapping[str, Any]) -> dict[str, Any]:
+        return demo_episode(
+            element,
+            self.tokenizer,
+            detour_prob=self.detour_prob,
+            detour_seed=self.detour_seed,
+        )
+
+
+def bucket_length(n: int, buckets: Sequence[int]) -> int | None:
+    """Smallest bucket >= ``n`` (``buckets`` ascending), or None if ``n`` exceeds them all."""
+    for b in buckets:
+        if n <= b:
+            return int(b)
+    return None
+
+
+def pad_batch(demos: Sequence[Mapping[str, Any]], buckets: Sequence[int], pad_id: int) -> dict:
+    """Stacks demonstrations into a padded batch.
+
+    Args:
+      demos: demonstrations (``demo_episode`` dicts), each at most ``max(buckets)`` tokens.
+      buckets: allowed padded lengths, ascending.
+      pad_id: token id used for padding.
+
+    Returns:
+      ``{"tokens" int32 [B, L], "valid" bool [B, L], "action_mask" bool [B, L], "fix_mask"
+      bool [B, L], "turn_ids" int32 [B, L] (-1 on padding)}`` with L the bucket of the longest.
+
+    Raises:
+      ValueError: empty ``demos``, unsorted ``buckets`` or an episode longer than every bucket.
+    """
+    if not demos:
+        raise ValueError("demos must be non-empty")
+    if list(buckets) != sorted(buckets) or not buckets or min(buckets) < 2:
+        raise ValueError(f"buckets={tuple(buckets)} must be ascending and >= 2")
+    longest = max(len(d["tokens"]) for d in demos)
+    length = bucket_length(longest, buckets)
+    if length is None:
+        raise ValueError(f"episode of {longest} tokens exceeds the largest bucket {max(buckets)}")
+    b = len(demos)
+    out = {
+        "tokens": np.full((b, length), pad_id, np.int32),
+        "valid": np.zeros((b, length), bool),
+        "action_mask": np.zeros((b, length), bool),
+        "fix_mask": np.zeros((b, length), bool),
+        "turn_ids": np.full((b, length), -1, np.int32),
+    }
+    for i, d in enumerate(demos):
+        n = len(d["tokens"])
+        out["tokens"][i, :n] = d["tokens"]
+        out["valid"][i, :n] = True
+        out["action_mask"][i, :n] = d["action_mask"]
+        out["fix_mask"][i, :n] = d["fix_mask"]
+        out["turn_ids"][i, :n] = d["turn_ids"]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSource:
+    """What a demonstration stream draws: difficulties, detours, bucket lengths, seeds.
+
+    Attributes:
+      difficulties: environment difficulty levels (equal weight each).
+      detour_prob: probability of a detour before each fix.
+      buckets: padded sequence lengths, ascending; longer episodes are dropped.
+      shuffle_seed: seed of the task order.
+      read_threads: grain reader threads (demonstrations are played in them).
+    """
+
+    difficulties: tuple[int, ...] = (1,)
+    detour_prob: float = 0.0
+    buckets: tuple[int, ...] = (256, 320, 384)
+    shuffle_seed: int = 0
+    read_threads: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "difficulties", tuple(int(d) for d in self.difficulties))
+        object.__setattr__(self, "buckets", tuple(int(b) for b in self.buckets))
+        if not self.difficulties:
+            raise ValueError("difficulties must be non-empty")
+        if not 0.0 <= self.detour_prob <= 1.0:
+            raise ValueError(f"detour_prob={self.detour_prob} must be in [0, 1]")
+        if not self.buckets or list(self.buckets) != sorted(self.buckets) or self.buckets[0] < 2:
+            raise ValueError(f"buckets={self.buckets} must be non-empty, ascending and >= 2")
+        if self.read_threads < 0:
+            raise ValueError(f"read_threads={self.read_threads} must be >= 0")
+
+
+class DemoStream:
+    """Infinite stream of padded demonstration batches from the train split (module docstring).
+
+    Args:
+      source: what to draw (``DemoSource``).
+      batch_size: demonstrations per batch (>= 1).
+
+    Raises:
+      ValueError: bad ``batch_size`` or source.
+    """
+
+    def __init__(self, source: DemoSource, batch_size: int):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        self.source = source
+        self.batch_size = batch_size
+        self.tokenizer = CodeTokenizer()
+        data_cfg = DataConfig(difficulties=source.difficulties)
+        ds = task_dataset(
+            "train", data_cfg.cells("train"), data_cfg.train_seeds, source.shuffle_seed
+        )
+        ds = ds.map(MakeDemo(source.detour_prob, source.shuffle_seed))
+        read = grain.ReadOptions(
+            num_threads=source.read_threads, prefetch_buffer_size=4 * batch_size
+        )
+        self._iter = iter(ds.to_iter_dataset(read))
+        self.dropped = 0
+
+    def next_batch(self) -> dict[str, np.ndarray]:
+        """The next padded batch (``pad_batch`` layout)."""
+        demos = []
+        while len(demos) < self.batch_size:
+            d = next(self._iter)
+            if len(d["tokens"]) > self.source.buckets[-1]:
+                self.dropped += 1
+                continue
+            demos.append(d)
+        return pad_batch(demos, self.source.buckets, self.tokenizer.pad_id)
+
+    def state(self) -> dict[str, Any]:
+        """JSON-safe iterator state (position of the next task)."""
+        return {"iterator": self._iter.get_state(), "dropped": self.dropped}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continues from a ``state()`` dict."""
+        self._iter.set_state(state["iterator"])
+        self.dropped = int(state.get("dropped", 0))

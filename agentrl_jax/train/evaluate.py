@@ -1,0 +1,298 @@
+"""Evaluation: play episodes with the model through the rollout engine and summarise them.
+
+``evaluate(model, params, tasks, greedy=...)`` plays one episode per task with
+``rollout.agent_loop.run_episodes`` (KV-cached decoding, the code-repair environment) and
+returns a flat dict:
+
+  * ``success``: fraction of episodes solved (all tests, hidden included, pass at submit and the
+    rule is kept);
+  * ``goal_adherence``: fraction of episodes whose rule (constraint) held at the end;
+  * ``mean_turns``, ``mean_tokens``: model turns and total tokens per episode;
+  * ``truncated``: fraction stopped by the turn / token cap before the environment ended them;
+  * ``per_bug_type``: ``{bug type: success rate}`` (a task counts once under each type it has);
+    ``per_bug_type_n``: episodes per type;
+  * ``n_episodes``, ``greedy``.
+
+``eval_tasks(split, difficulty, n)`` is the fixed evaluation set: the first ``n`` tasks of a fresh
+``data.TaskPipeline`` over ``split`` (bug types balanced round-robin). ``run_from_cli`` backs
+``agentrl eval <run_dir or checkpoint> [--split heldout] [--difficulty 1] [--episodes N]`` and
+prints one JSON object with a ``greedy`` and a ``sampled`` section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from agentrl_jax.data import DataConfig, TaskPipeline, make_task_factory
+from agentrl_jax.envs.coderepair import (
+    BUG_TYPES,
+    CodeRepairEnv,
+    CodeTokenizer,
+    difficulty_config,
+    make_task,
+)
+from agentrl_jax.model.transformer import Transformer
+
+logger = logging.getLogger(__name__)
+
+EVAL_SPLITS = ("train", "heldout", "heldout_combo")
+MODES = ("greedy", "sampled")
+RESULT_KEYS = (
+    "success",
+    "goal_adherence",
+    "mean_turns",
+    "mean_tokens",
+    "truncated",
+    "per_bug_type",
+    "per_bug_type_n",
+    "n_episodes",
+    "greedy",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation settings (config section ``eval``). Bad values raise ``ValueError``.
+
+    Attributes:
+      split: task split, one of ``EVAL_SPLITS``.
+      difficulty: environment level (1 = medium).
+      n_episodes: episodes (tasks) per mode.
+      modes: which of ``("greedy", "sampled")`` the CLI runs.
+      temperature: sampling temperature of the ``sampled`` mode.
+      max_len: tokens per episode (KV cache capacity; longer episodes are truncated = failed).
+      max_new_tokens: tokens per model turn.
+      n_slots: episodes decoded together.
+      chunk: decode chunk rows; prefill_chunk: prefill rows (non-parity policies).
+      seed: task order and sampling key.
+    """
+
+    split: str = "heldout"
+    difficulty: int = 1
+    n_episodes: int = 64
+    modes: tuple[str, ...] = MODES
+    temperature: float = 1.0
+    max_len: int = 512
+    max_new_tokens: int = 48
+    n_slots: int = 32
+    chunk: int = 4
+    prefill_chunk: int = 64
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "modes", tuple(self.modes))
+        if self.split not in EVAL_SPLITS:
+            raise ValueError(f"EvalConfig.split={self.split!r} must be one of {EVAL_SPLITS}")
+        difficulty_config(self.difficulty)  # ValueError names the allowed range
+        if not self.modes or set(self.modes) - set(MODES):
+            raise ValueError(f"EvalConfig.modes={self.modes} must be a non-empty subset of {MODES}")
+        for name in ("n_episodes", "max_new_tokens", "n_slots", "chunk", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EvalConfig.{name}={getattr(self, name)} must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"EvalConfig.temperature={self.temperature} must be > 0")
+        if self.max_len < 64 or self.max_len % 16:
+            raise ValueError(f"EvalConfig.max_len={self.max_len} must be >= 64, a multiple of 16")
+
+
+def eval_tasks(split: str, difficulty: int, n: int, *, seed: int = 0) -> list:
+    """The first ``n`` tasks of ``split`` at ``difficulty`` (bug types balanced; deterministic).
+
+    Raises:
+      ValueError: bad split / difficulty / n, or a split without tasks at this difficulty.
+    """
+    if split not in EVAL_SPLITS:
+        raise ValueError(f"split={split!r} must be one of {EVAL_SPLITS}")
+    difficulty_config(difficulty)
+    if n < 1:
+        raise ValueError(f"n={n} must be >= 1")
+    cfg = DataConfig(difficulties=(difficulty,), shuffle_seed=seed)
+    pipe = TaskPipeline(cfg, split, task_factory=make_task_factory(make_task), adaptive=False)
+    return [item["task"] for item in pipe.next_batch(n)]
+
+
+def summarize(traj, tasks: Sequence[Any], *, greedy: bool) -> dict[str, Any]:
+    """The result dict (module docstring) of a ``Trajectory`` played on ``tasks`` (same order)."""
+    success = np.asarray(traj.success, bool)
+    valid = np.asarray(traj.valid, bool)
+    turns = np.asarray(traj.turn_ids).max(axis=1)
+    per_type: dict[str, list[bool]] = {}
+    for ok, task in zip(success.tolist(), tasks, strict=True):
+        for t in sorted(set(task.bug_types)):
+            per_type.setdefault(t, []).append(ok)
+    return {
+        "success": float(success.mean()),
+        "goal_adherence": float(np.asarray(traj.goal_adhered, bool).mean()),
+        "mean_turns": float(turns.mean()),
+        "mean_tokens": float(valid.sum(axis=1).mean()),
+        "truncated": float(np.asarray(traj.truncated, bool).mean()),
+        "per_bug_type": {t: float(np.mean(v)) for t, v in sorted(per_type.items())},
+        "per_bug_type_n": {t: len(v) for t, v in sorted(per_type.items())},
+        "n_episodes": len(tasks),
+        "greedy": bool(greedy),
+    }
+
+
+def evaluate(
+    model: Transformer,
+    params: Any,
+    tasks: Sequence[Any],
+    *,
+    greedy: bool = True,
+    cfg: EvalConfig = EvalConfig(),
+    rng: jax.Array | None = None,
+) -> dict[str, Any]:
+    """Plays one episode per task with the model (its own dtype policy) and summarises them.
+
+    Args:
+      model: the ``Transformer`` (carries the dtype policy the sampler uses).
+      params: its parameters.
+      tasks: code-repair tasks (e.g. ``eval_tasks(...)``); all of one difficulty or not.
+      greedy: argmax decoding, else sampling at ``cfg.temperature``.
+      cfg: cache / batching settings (``split``, ``difficulty``, ``n_episodes`` are ignored).
+      rng: sampling key (default ``jax.random.key(cfg.seed)``).
+
+    Returns:
+      The result dict (keys ``RESULT_KEYS``).
+
+    Raises:
+      ValueError: empty ``tasks``.
+    """
+    from agentrl_jax.rollout.agent_loop import run_episodes
+    from agentrl_jax.rollout.sampler import SamplingConfig
+
+    if not tasks:
+        raise ValueError("tasks must be non-empty")
+    tokenizer = CodeTokenizer()
+    sampling = SamplingConfig(
+        temperature=cfg.temperature,
+        greedy=greedy,
+        max_new_tokens=cfg.max_new_tokens,
+        chunk=cfg.chunk,
+        prefill_chunk=cfg.prefill_chunk,
+        max_len=cfg.max_len,
+    )
+    max_turns = max(t.config.max_turns for t in tasks)
+    traj = run_episodes(
+        model,
+        params,
+        list(tasks),
+        lambda: CodeRepairEnv(tokenizer),
+        tokenizer,
+        sampling,
+        jax.random.key(cfg.seed) if rng is None else rng,
+        n_slots=min(cfg.n_slots, len(tasks)),
+        max_turns=max_turns,
+    )
+    return summarize(traj, tasks, greedy=greedy)
+
+
+def evaluate_split(model: Transformer, params: Any, cfg: EvalConfig) -> dict[str, Any]:
+    """Runs every mode of ``cfg.modes`` on ``eval_tasks(cfg.split, cfg.difficulty, ...)``.
+
+    Returns ``{"split", "difficulty", "<mode>": result dict, ...}``.
+    """
+    tasks = eval_tasks(cfg.split, cfg.difficulty, cfg.n_episodes, seed=cfg.seed)
+    out: dict[str, Any] = {"split": cfg.split, "difficulty": cfg.difficulty}
+    for mode in cfg.modes:
+        out[mode] = evaluate(model, params, tasks, greedy=mode == "greedy", cfg=cfg)
+    return out
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+
+
+def _find_run_dir(path: str) -> str:
+    """The run directory of ``path`` (a run dir, a stage dir or a step dir under it)."""
+    p = os.path.abspath(path)
+    for _ in range(4):
+        if os.path.isfile(os.path.join(p, "config.json")):
+            return p
+        p = os.path.dirname(p)
+    raise ValueError(
+        f"{path!r} is neither a run directory nor a checkpoint inside one (no config.json found)"
+    )
+
+
+def _checkpoint_path(path: str, run_dir: str) -> str:
+    """The checkpoint to load: ``path`` if it is one, else the run's RL, then SFT stage."""
+    from agentrl_jax.train.checkpoint import existing_steps, stage_dir
+
+    p = os.path.abspath(path)
+    if os.path.basename(p).isdigit() or existing_steps(p):
+        return p
+    for stage in ("rl", "sft"):
+        d = stage_dir(run_dir, stage)
+        if existing_steps(d):
+            return d
+    raise ValueError(f"no checkpoint under {run_dir!r} (looked in checkpoints/rl and /sft)")
+
+
+def _eval_config(cfg_dict: dict[str, Any], args: argparse.Namespace) -> EvalConfig:
+    section = dict(cfg_dict.get("eval") or {})
+    known = {f.name for f in dataclasses.fields(EvalConfig)}
+    section = {k: v for k, v in section.items() if k in known}
+    if getattr(args, "split", None):
+        section["split"] = args.split
+    if getattr(args, "difficulty", None) is not None:
+        try:
+            section["difficulty"] = int(args.difficulty)
+        except ValueError:
+            raise ValueError(f"--difficulty={args.difficulty!r} must be an integer level") from None
+    if getattr(args, "episodes", None):
+        section["n_episodes"] = int(args.episodes)
+    if "modes" in section:
+        section["modes"] = tuple(section["modes"])
+    return EvalConfig(**section)
+
+
+def run_from_cli(args: argparse.Namespace) -> int:
+    """``agentrl eval``: loads the checkpoint and config, evaluates, prints one JSON line.
+
+    Raises:
+      ValueError: no run directory / checkpoint, bad split or difficulty.
+    """
+    from agentrl_jax.config import load_config, to_dataclass
+    from agentrl_jax.metrics import load_config_json
+    from agentrl_jax.model.config import ModelConfig
+    from agentrl_jax.model.transformer import init_params
+    from agentrl_jax.precision import get_policy
+    from agentrl_jax.train.checkpoint import restore_params
+
+    path = args.run_dir_or_checkpoint
+    run_dir = _find_run_dir(path)
+    if getattr(args, "spec", None):
+        cfg_dict = load_config(args.spec, list(getattr(args, "set", None) or [])).to_dict()
+    else:
+        cfg_dict = load_config_json(run_dir)
+    model_cfg = to_dataclass(cfg_dict["model"], ModelConfig)
+    model = Transformer(model_cfg, get_policy(cfg_dict.get("policy", "fp32")))
+    template = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
+    ckpt = _checkpoint_path(path, run_dir)
+    params, step = restore_params(ckpt, template)
+    cfg = _eval_config(cfg_dict, args)
+    result = {"checkpoint": ckpt, "step": step, **evaluate_split(model, params, cfg)}
+    sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+__all__ = [
+    "BUG_TYPES",
+    "EvalConfig",
+    "eval_tasks",
+    "evaluate",
+    "evaluate_split",
+    "run_from_cli",
+    "summarize",
+]
