@@ -1,0 +1,103 @@
+"""Evaluation: result keys on a tiny model, summaries vs hand counts, task sets, the CLI."""
+
+import argparse
+import dataclasses
+import json
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from agentrl_jax.envs.coderepair import BUG_TYPES
+from agentrl_jax.metrics import save_config
+from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.transformer import Transformer, init_params
+from agentrl_jax.precision import get_policy
+from agentrl_jax.train.checkpoint import Checkpointer, stage_dir
+from agentrl_jax.train.evaluate import (
+    RESULT_KEYS,
+    EvalConfig,
+    eval_tasks,
+    evaluate,
+    run_from_cli,
+    summarize,
+)
+
+TINY = ModelConfig(
+    vocab_size=512, d_model=16, n_layers=1, layer_pattern="D", n_heads=2, n_kv_heads=1,
+    head_dim=8, d_ff=32, window=512,
+)  # fmt: skip
+EVAL = EvalConfig(difficulty=0, n_episodes=3, max_len=384, max_new_tokens=8, n_slots=3, chunk=4)
+
+
+def test_summarize_hand_counts():
+    tasks = [types.SimpleNamespace(bug_types=b) for b in
+             (("logic",), ("syntax", "logic"), ("off_by_one",), ("logic", "logic"))]  # fmt: skip
+    valid = np.zeros((4, 10), bool)
+    for i, n in enumerate((10, 6, 8, 4)):
+        valid[i, :n] = True
+    turn_ids = np.where(valid, np.array([[0, 0, 1, 1, 2, 2, 3, 3, 4, 4]]), -1)
+    traj = types.SimpleNamespace(
+        success=np.array([True, False, True, True]),
+        goal_adhered=np.array([True, True, False, True]),
+        truncated=np.array([False, True, False, False]),
+        valid=valid,
+        turn_ids=turn_ids,
+    )
+    out = summarize(traj, tasks, greedy=True)
+    assert out["success"] == 0.75 and out["goal_adherence"] == 0.75 and out["truncated"] == 0.25
+    assert out["mean_tokens"] == 7.0  # (10 + 6 + 8 + 4) / 4
+    assert out["mean_turns"] == 2.5  # max turn ids 4, 2, 3, 1
+    assert out["per_bug_type"] == {"logic": 2 / 3, "off_by_one": 1.0, "syntax": 0.0}
+    assert out["per_bug_type_n"] == {"logic": 3, "off_by_one": 1, "syntax": 1}
+
+
+def test_eval_tasks_deterministic_and_split():
+    a = eval_tasks("heldout", 1, 8)
+    b = eval_tasks("heldout", 1, 8)
+    assert [t.seed for t in a] == [t.seed for t in b]
+    assert all(t.split == "heldout" and t.difficulty == 1 for t in a)
+    assert {t.bug_types[0] for t in a} == set(BUG_TYPES)  # balanced round robin
+    assert all(t.split == "train" for t in eval_tasks("train", 0, 2))
+    with pytest.raises(ValueError, match="split"):
+        eval_tasks("test", 1, 2)
+    with pytest.raises(ValueError, match="difficulty"):
+        EvalConfig(difficulty=9)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = Transformer(TINY, get_policy("fp32"))
+    return model, init_params(model, jax.random.key(0))
+
+
+def test_evaluate_keys_on_tiny_model(tiny):
+    model, params = tiny
+    tasks = eval_tasks("heldout", 0, 3)
+    out = evaluate(model, params, tasks, greedy=True, cfg=EVAL)
+    assert set(out) == set(RESULT_KEYS)
+    assert out["n_episodes"] == 3 and out["greedy"] is True
+    for k in ("success", "goal_adherence", "truncated"):
+        assert 0.0 <= out[k] <= 1.0
+    assert out["mean_turns"] >= 1 and out["mean_tokens"] > 100  # the prompt alone is > 100
+    assert set(out["per_bug_type"]) <= set(BUG_TYPES)
+    assert sum(out["per_bug_type_n"].values()) == 3
+
+
+def test_cli_on_run_dir(tiny, tmp_path, capsys):
+    model, params = tiny
+    greedy_only = dataclasses.asdict(dataclasses.replace(EVAL, modes=("greedy",)))
+    save_config(
+        tmp_path, {"model": dataclasses.asdict(TINY), "policy": "fp32", "eval": greedy_only}
+    )
+    with Checkpointer(stage_dir(tmp_path, "sft")) as ckpt:
+        ckpt.save(3, params=params, opt_state={}, rng=jax.random.key(0))
+    args = argparse.Namespace(run_dir_or_checkpoint=str(tmp_path), split="heldout",
+                              difficulty="0", episodes=3, spec=None, set=[])  # fmt: skip
+    assert run_from_cli(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["step"] == 3 and out["split"] == "heldout" and out["difficulty"] == 0
+    assert set(out["greedy"]) == set(RESULT_KEYS) and "sampled" not in out
+    with pytest.raises(ValueError, match="run directory"):
+        run_from_cli(argparse.Namespace(**{**vars(args), "run_dir_or_checkpoint": "/nonexistent"}))
