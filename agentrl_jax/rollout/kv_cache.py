@@ -1,0 +1,162 @@
+"""Host-side KV page allocation over a shared pool, KV memory accounting, eviction decisions.
+
+The device cache is the model's (``agentrl_jax.model.transformer.init_cache``): sliding-window
+(``S``) layers hold a ring buffer of ``window`` tokens per slot; full/sparse (``F``/``D``) layers
+hold one pool of ``n_pages`` pages of ``page_size`` tokens, addressed through per-slot block
+tables ``int32 [slots, max_pages]`` (-1 = no page). :class:`PagePool` owns the block tables on
+the host: it hands out free pages when a slot grows, takes them back when a slot ends, is
+preempted, or its tail is trimmed, and reports what is in use. Exhaustion never raises inside the
+loop: ``ensure`` answers False and the agent loop makes admission wait or preempts a slot.
+
+Eviction (``EvictionConfig``): after a model turn, the tokens of *finished* tool-output blocks
+(observations followed by at least one later model turn) whose accumulated attention from later
+tokens stays under ``threshold`` are evicted from the F/D layers (their pages are freed when a
+whole page is evicted), or with ``int8=True`` recorded as int8-quantised instead. The decision
+takes effect at the next prefill-chunk-aligned position and is recorded per token
+(``Trajectory.kv_evict_at``), so training replays exactly the same visibility.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.precision import DTypePolicy
+
+
+def _itemsize(policy: DTypePolicy) -> int:
+    return jnp.dtype(policy.kv_cache).itemsize
+
+
+def kv_bytes_per_seq(
+    cfg: ModelConfig, policy: DTypePolicy, n_tokens: int, page_size: int, int8_tokens: int = 0
+) -> int:
+    """KV bytes one sequence of ``n_tokens`` holds: S rings + pages of F/D layers.
+
+    ``int8_tokens`` of the paged tokens are counted at 1 byte plus one fp32 scale per page/head.
+    """
+    counts = cfg.layer_counts()
+    per_tok = 2 * cfg.n_kv_heads * cfg.head_dim  # k and v
+    ring = counts["S"] * cfg.window * per_tok * _itemsize(policy) if n_tokens else 0
+    pages = -(-n_tokens // page_size)
+    paged_layers = counts["F"] + counts["D"]
+    full = (pages * page_size - int8_tokens) * per_tok * _itemsize(policy)
+    q8 = int8_tokens * per_tok + (-(-int8_tokens // page_size)) * 2 * cfg.n_kv_heads * 4
+    return int(ring + paged_layers * (full + q8))
+
+
+def dense_kv_bytes(cfg: ModelConfig, policy: DTypePolicy, n_tokens: int) -> int:
+    """KV bytes of one dense cache of ``n_tokens`` for every layer (the comparison baseline)."""
+    return int(cfg.n_layers * n_tokens * 2 * cfg.n_kv_heads * cfg.head_dim * _itemsize(policy))
+
+
+class PagePool:
+    """Free-list allocator of ``n_pages`` pages shared by ``slots`` sequences.
+
+    Args:
+      slots: number of sequences (rows of the block table).
+      n_pages: pages in the pool.
+      page_size: tokens per page.
+      max_len: most tokens one slot can hold (block-table width = ceil(max_len / page_size)).
+      usable: pages the allocator may hand out (default ``n_pages``): a memory budget below
+        the device pool's size (same compiled shapes, smaller budget).
+
+    Raises:
+      ValueError: if any size is < 1 or ``usable`` exceeds ``n_pages``.
+    """
+
+    def __init__(
+        self, slots: int, n_pages: int, page_size: int, max_len: int, usable: int | None = None
+    ):
+        usable = n_pages if usable is None else usable
+        for name, v in (("slots", slots), ("n_pages", n_pages), ("page_size", page_size)):
+            if v < 1:
+                raise ValueError(f"PagePool.{name}={v} must be >= 1")
+        if not 1 <= usable <= n_pages:
+            raise ValueError(f"PagePool.usable={usable} must be in [1, n_pages={n_pages}]")
+        self.slots, self.n_pages, self.page_size = slots, usable, page_size
+        self.max_pages = -(-max_len // page_size)
+        self.tables = np.full((slots, self.max_pages), -1, np.int32)
+        self.free = list(range(usable - 1, -1, -1))  # pop() hands out low ids first
+        self.dirty = True
+
+    def owned(self, slot: int) -> int:
+        """Number of pages held by ``slot`` (a prefix of its block table)."""
+        return int(np.sum(self.tables[slot] >= 0))
+
+    @property
+    def in_use(self) -> int:
+        return self.n_pages - len(self.free)
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def can_hold(self, slot: int, n_tokens: int) -> bool:
+        need = self.pages_for(n_tokens) - self.owned(slot)
+        return need <= len(self.free) and self.pages_for(n_tokens) <= self.max_pages
+
+    def ensure(self, slot: int, n_tokens: int) -> bool:
+        """Gives ``slot`` pages for ``n_tokens`` tokens; False (nothing changed) if short."""
+        if not self.can_hold(slot, n_tokens):
+            return False
+        have = self.owned(slot)
+        for j in range(have, self.pages_for(n_tokens)):
+            self.tables[slot, j] = self.free.pop()
+            self.dirty = True
+        return True
+
+    def trim(self, slot: int, n_tokens: int) -> None:
+        """Returns the pages of ``slot`` beyond the first ``n_tokens`` tokens."""
+        keep = self.pages_for(n_tokens)
+        for j in range(keep, self.max_pages):
+            if self.tables[slot, j] >= 0:
+                self.free.append(int(self.tables[slot, j]))
+                self.tables[slot, j] = -1
+                self.dirty = True
+
+    def release(self, slot: int) -> None:
+        """Frees every page of ``slot``."""
+        self.trim(slot, 0)
+
+    def release_pages(self, slot: int, page_indices) -> int:
+        """Frees the given block-table entries of ``slot`` (evicted pages); returns how many.
+
+        The entries become -1; the attention mask (eviction) guarantees they are never read.
+        """
+        n = 0
+        for j in page_indices:
+            if self.tables[slot, j] >= 0:
+                self.free.append(int(self.tables[slot, j]))
+                self.tables[slot, j] = -1
+                n += 1
+        self.dirty = n > 0 or self.dirty
+        return n
+
+    def waste_tokens(self, lengths) -> int:
+        """Allocated but unused token slots over all sequences (after trimming)."""
+        return int(sum(self.owned(s) * self.page_size - int(n) for s, n in enumerate(lengths)))
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionConfig:
+    """When finished tool-output tokens are evicted from (or int8-compressed in) F/D layers.
+
+    Attributes:
+      threshold: a finished observation block is compressed when the mean attention mass later
+        tokens put on it (``block_attention``) is below this. 0 disables.
+      int8: quantise to int8 (recorded in ``kv_int8_mask``) instead of evicting.
+      min_block: blocks shorter than this are left alone.
+    """
+
+    threshold: float = 0.0
+    int8: bool = False
+    min_block: int = 4
+
+    def __post_init__(self):
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"EvictionConfig.threshold={self.threshold} must be in [0, 1]")
+        if self.min_block < 1:
+            raise ValueError(f"EvictionConfig.min_block={self.min_block} must be >= 1")

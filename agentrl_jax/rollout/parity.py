@@ -1,0 +1,170 @@
+"""The trainer's logprobs of a trajectory, computed the way the sampler computed them.
+
+``trainer_logprobs`` is what training uses to recompute logprobs of rollout tokens:
+  * ``policy.parity`` (``fp32-parity``, ``bf16-parity``): ``forward_chunked`` with the sampler's
+    decode chunk, page size and cache capacity, over micro-batches of the sampler's slot count;
+    the result equals the rollout's logprobs bitwise (tested), MoE included;
+  * otherwise the plain teacher-forced pass (fast; its mismatch is measured, not zero).
+With ``replay_kv`` the recorded KV eviction (``Trajectory.kv_evict_at``) is applied chunk by
+chunk, so a compressed rollout stays on-policy; without it training sees the full context.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache
+from agentrl_jax.precision import DTypePolicy
+from agentrl_jax.rollout.sampler import SamplingConfig, fixed_order_logprobs
+from agentrl_jax.rollout.trajectory import Trajectory
+
+_NEVER = np.iinfo(np.int32).max
+
+
+def _chunked_forward(model, params, tokens, evict_at, replay_routes, *, chunk, page_size, max_len):
+    """``forward_chunked`` with per-chunk KV visibility ``keep = chunk_start < evict_at``."""
+    b, t = tokens.shape
+    n_chunks = t // chunk
+    cache = init_cache(model.cfg, model.policy, CacheSpec(b, max_len, page_size))
+    toks = tokens.reshape(b, n_chunks, chunk).swapaxes(0, 1)
+    rr = None
+    if replay_routes is not None:
+        rr = replay_routes.reshape(b, n_chunks, chunk, *replay_routes.shape[2:]).swapaxes(0, 1)
+    ev = jnp.full((b, max_len), _NEVER, jnp.int32)
+    if evict_at is not None:
+        ev = ev.at[:, :t].set(evict_at)
+
+    def step(cache, xs):
+        tok, rep = xs
+        cache = dict(cache)
+        cache["keep"] = cache["lengths"][:, None] < ev
+        logits, cache, extras = model.apply(
+            params, tok, cache=cache, valid=jnp.ones((b, chunk), bool), replay_routes=rep
+        )
+        cache.pop("keep")
+        return cache, (logits, extras.get("routes"))
+
+    _, (logits, routes) = jax.lax.scan(step, cache, (toks, rr))
+    logits = logits.swapaxes(0, 1).reshape(b, t, -1)
+    if routes is not None:
+        routes = routes.swapaxes(0, 1).reshape(b, t, *routes.shape[3:])
+    return logits, routes
+
+
+def sequence_logprobs(
+    model: Transformer,
+    params,
+    tokens: jax.Array,
+    sampling_cfg: SamplingConfig | None = None,
+    *,
+    evict_at: jax.Array | None = None,
+    replay_routes: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Jittable, differentiable logprobs of ``tokens`` as training computes them.
+
+    Under ``model.policy.parity`` the chunked pass of the sampler (``sampling_cfg`` chunk, page
+    size, max_len; optional recorded ``evict_at`` int32 [B, T]); else the plain teacher pass.
+    Logprobs use :func:`fixed_order_logprobs` like the sampler.
+
+    Args:
+      tokens: int32 [B, T] (T a multiple of the chunk and <= max_len for parity).
+      replay_routes: optional int32 [B, T, L_moe, k] routing replay.
+
+    Returns:
+      (logp f32 [B, T], logp[:, 0] = 0, routes int32 [B, T, L_moe, k] or None).
+    """
+    if model.policy.parity:
+        if sampling_cfg is None:
+            raise ValueError("a parity policy needs the sampler's sampling_cfg")
+        logits, routes = _chunked_forward(
+            model,
+            params,
+            tokens,
+            evict_at,
+            replay_routes,
+            chunk=sampling_cfg.chunk,
+            page_size=sampling_cfg.page_size,
+            max_len=sampling_cfg.max_len,
+        )
+    else:
+        if evict_at is not None:
+            raise ValueError("evict_at (KV replay) needs a parity policy")
+        logits, _, extras = model.apply(params, tokens, replay_routes=replay_routes)
+        routes = extras.get("routes")
+    lp = fixed_order_logprobs(logits[:, :-1], tokens[:, 1:])
+    return jnp.pad(lp, ((0, 0), (1, 0))), routes
+
+
+@functools.cache
+def _logprob_fn(model_cfg, policy: DTypePolicy, sampling_cfg: SamplingConfig | None, replay):
+    model = Transformer(model_cfg, policy)
+
+    @jax.jit
+    def fn(params, tokens, evict_at):
+        return sequence_logprobs(
+            model, params, tokens, sampling_cfg, evict_at=evict_at if replay else None
+        )
+
+    return fn
+
+
+def trainer_logprobs(
+    model: Transformer,
+    params,
+    traj: Trajectory,
+    policy: DTypePolicy | None = None,
+    sampling_cfg: SamplingConfig | None = None,
+    *,
+    n_slots: int | None = None,
+    replay_kv: bool = False,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Teacher-forced logprobs of ``traj.tokens`` in the rollout's layout.
+
+    Args:
+      model, params: the policy (``policy`` overrides ``model.policy`` if given).
+      traj: the trajectory (tokens int32 [B, T]).
+      policy: dtype policy; ``policy.parity`` selects the chunked parity path.
+      sampling_cfg: the sampler's config (chunk, page size, max_len); required for parity.
+      n_slots: the sampler's batch size (default B); parity runs micro-batches of this size.
+      replay_kv: apply the recorded ``kv_evict_at`` (parity path only).
+
+    Returns:
+      (logp float32 [B, T] with logp[:, t] = log p(tokens[:, t] | tokens[:, :t]) and 0 at
+      t = 0, routes int32 [B, T, L_moe, k] of this pass or None).
+
+    Raises:
+      ValueError: parity without ``sampling_cfg``, T not a multiple of the chunk or above
+        ``max_len``, or ``replay_kv`` without recorded masks or without parity.
+    """
+    policy = policy or model.policy
+    tokens = np.asarray(traj.tokens, np.int32)
+    b, t = tokens.shape
+    if policy.parity:
+        if sampling_cfg is None:
+            raise ValueError("a parity policy needs the sampler's sampling_cfg")
+        c, m = sampling_cfg.chunk, sampling_cfg.max_len
+        if t % c or t > m:
+            raise ValueError(f"traj length {t} must be a multiple of chunk={c} and <= {m}")
+    fn = _logprob_fn(model.cfg, policy, sampling_cfg if policy.parity else None, replay_kv)
+    if replay_kv and (traj.kv_evict_at is None or not policy.parity):
+        raise ValueError("replay_kv needs traj.kv_evict_at and a parity policy")
+    evict = (
+        np.asarray(traj.kv_evict_at, np.int32) if replay_kv else np.full((b, t), _NEVER, np.int32)
+    )
+    mb = b if (n_slots is None or not policy.parity) else n_slots
+    outs, routes = [], []
+    for lo in range(0, b, mb):
+        tk, ev = tokens[lo : lo + mb], evict[lo : lo + mb]
+        n = tk.shape[0]
+        if n < mb:  # pad the last micro-batch with copies of row 0 (same shapes, discarded)
+            tk = np.concatenate([tk, np.repeat(tk[:1], mb - n, 0)])
+            ev = np.concatenate([ev, np.repeat(ev[:1], mb - n, 0)])
+        lp, rt = fn(params, tk, ev)
+        outs.append(np.asarray(lp)[:n])
+        if rt is not None:
+            routes.append(np.asarray(rt)[:n])
+    return np.concatenate(outs), (np.concatenate(routes) if routes else None)

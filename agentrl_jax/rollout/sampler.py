@@ -1,0 +1,370 @@
+"""Jitted chunked prefill and ``lax.while_loop`` decode over the model's KV cache.
+
+Legend: B slots (sequences decoded together), C decode chunk rows, Cp prefill chunk rows,
+N max new tokens per decode call, V vocab, S cache capacity (``max_len``), L_moe MoE layers,
+k experts per token.
+
+Both paths call the model's chunk function ``model.apply(params, tokens[B, C'], cache=...,
+valid=...)``: decode feeds one valid row padded to ``C`` rows, prefill feeds ``Cp``-row chunks.
+With ``Cp == C`` (forced for ``policy.parity``) every token's logits are computed exactly as
+``forward_chunked(chunk=C, page_size, max_len)`` computes them in training (bitwise).
+
+Prefill chunks are aligned to multiples of ``Cp`` in absolute position (the first chunk of a
+call may be partial): a chunk never straddles a multiple of ``Cp``, which is where recorded KV
+eviction takes effect (see ``kv_cache.py``), so training replays the same visibility per chunk.
+
+Logprobs: each sampled token's logprob is ``log_softmax(logits)[token]`` of the fp32 logits
+*before* temperature / top-k / top-p, i.e. the untempered policy that the trainer differentiates
+(``token_logprobs`` of the teacher-forced logits). With ``temperature == 1`` and no filtering
+this is exactly the behaviour distribution; otherwise the sampler draws from a sharpened or
+truncated distribution and the difference is a deliberate off-policy gap the RL loss sees.
+
+Randomness: the key of the token at position p of episode ``uid`` is
+``fold_in(fold_in(rng, uid), p)``, so tokens do not depend on slot, batch composition or
+scheduling (preempted and re-prefilled sequences resample the same tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache
+
+_NEVER = jnp.iinfo(jnp.int32).max
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are sampled and how the cache is shaped (hashable: a static jit argument).
+
+    Attributes:
+      temperature: softmax temperature (> 0) of the sampling distribution.
+      top_p: nucleus mass in (0, 1]; 1 disables.
+      top_k: keep the k most likely tokens; 0 disables.
+      greedy: argmax instead of sampling (temperature/top-k/top-p ignored).
+      max_new_tokens: most tokens generated per model turn.
+      stop_tokens: ids that end a turn (the stop token is kept and cached); empty -> the agent
+        loop uses the tokenizer's ``</call>``, ``<eot>``, ``<eos>``.
+      chunk: decode chunk rows C (>= 1; parity policies need the trainer's chunk, default 4).
+      prefill_chunk: prefill chunk rows Cp; None -> ``chunk`` (parity policies always use chunk).
+      page_size: KV page size (a multiple of the model's ``sparse_block_size``).
+      max_len: cache capacity per sequence (tokens).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    max_new_tokens: int = 64
+    stop_tokens: tuple[int, ...] = ()
+    chunk: int = 4
+    prefill_chunk: int | None = None
+    page_size: int = 16
+    max_len: int = 512
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"SamplingConfig.temperature={self.temperature} must be > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p={self.top_p} must be in (0, 1]")
+        for field, lo in (("top_k", 0), ("max_new_tokens", 1), ("chunk", 1), ("page_size", 1)):
+            v = getattr(self, field)
+            if not isinstance(v, int) or v < lo:
+                raise ValueError(f"SamplingConfig.{field}={v!r} must be an int >= {lo}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"SamplingConfig.prefill_chunk={self.prefill_chunk} must be >= 1")
+        if self.max_len < self.chunk or self.max_len % self.page_size:
+            raise ValueError(
+                f"SamplingConfig.max_len={self.max_len} must be >= chunk={self.chunk} and a "
+                f"multiple of page_size={self.page_size}"
+            )
+        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+
+    def prefill_rows(self, parity: bool) -> int:
+        """Prefill chunk rows actually used (``chunk`` under a parity policy)."""
+        return self.chunk if parity or self.prefill_chunk is None else self.prefill_chunk
+
+    def replace(self, **changes) -> SamplingConfig:
+        return dataclasses.replace(self, **changes)
+
+
+class DecodeState(NamedTuple):
+    """Device state of B slots between sampler calls.
+
+    Attributes:
+      cache: the model cache (``lengths`` int32 [B] = tokens cached per slot).
+      logits: float32 [B, V] next-token logits of each slot (after its last cached token).
+      evict_at: int32 [B, S] per cached position, the first chunk-start position from which it
+        is no longer visible in full/sparse layers (``int32 max`` = never evicted).
+    """
+
+    cache: dict
+    logits: jax.Array
+    evict_at: jax.Array
+
+
+class DecodeOut(NamedTuple):
+    """What one decode call generated (rows generate contiguously from column 0).
+
+    Attributes:
+      tokens: int32 [B, N] sampled tokens (first ``n_new[b]`` valid).
+      logprobs: float32 [B, N] untempered logprobs of those tokens.
+      routes: int32 [B, N, L_moe, k] routes of each token's own forward (MoE) or None.
+      n_new: int32 [B] tokens generated per slot in this call.
+      finished: bool [B] the slot's turn ended (stop token or budget) in this call.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    routes: jax.Array | None
+    n_new: jax.Array
+    finished: jax.Array
+
+
+def filter_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """Sampling logits: fp32 [..., V] / temperature, top-k then top-p masked to -inf."""
+    x = logits.astype(jnp.float32) / jnp.float32(cfg.temperature)
+    if cfg.top_k and cfg.top_k < x.shape[-1]:
+        kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if cfg.top_p < 1.0:
+        srt = -jnp.sort(-x, axis=-1)  # descending
+        probs = jax.nn.softmax(srt, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each entry
+        cutoff = jnp.min(jnp.where(before < cfg.top_p, srt, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x < cutoff, -jnp.inf, x)
+    return x
+
+
+def _tree_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis as a fixed pairwise tree (same bits whatever the leading shape)."""
+    n = x.shape[-1]
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << (n - 1).bit_length()) - n)])
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+def fixed_order_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """log softmax(logits)[tokens] with a fixed-order sum: fp32 [..., V], int [...] -> f32 [...].
+
+    ``jnp.sum``/``logsumexp`` reduce in an order XLA picks per shape, so the sampler's [B, V]
+    rows and the trainer's [B, T, V] block differ in the last bit; the explicit pairwise tree
+    does not. Differentiable (the max shift is a constant).
+    """
+    logits = logits.astype(jnp.float32)
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    lse = m[..., 0] + jnp.log(_tree_sum(jnp.exp(logits - m)))
+    picked = jnp.take_along_axis(logits, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return picked - lse
+
+
+def token_keys(rng: jax.Array, uids: jax.Array, positions: jax.Array) -> jax.Array:
+    """Per-slot keys ``fold_in(fold_in(rng, uid), position)``: [B] uids/positions -> [B] keys."""
+    return jax.vmap(lambda u, p: jax.random.fold_in(jax.random.fold_in(rng, u), p))(uids, positions)
+
+
+def sample_tokens(
+    logits: jax.Array, keys: jax.Array, cfg: SamplingConfig
+) -> tuple[jax.Array, jax.Array]:
+    """Samples one token per row. logits fp32 [B, V], keys [B] -> (int32 [B], logprob f32 [B]).
+
+    The logprob is of the untempered, unfiltered distribution (module docstring).
+    """
+    logits = logits.astype(jnp.float32)
+    if cfg.greedy:
+        tok = jnp.argmax(logits, axis=-1)
+    else:
+        x = filter_logits(logits, cfg)
+        tok = jax.vmap(jax.random.categorical)(keys, x)
+    tok = tok.astype(jnp.int32)
+    return tok, fixed_order_logprobs(logits, tok)
+
+
+def _with_keep(cache: dict, evict_at: jax.Array) -> dict:
+    """Cache whose ``keep`` mask hides keys evicted before this chunk's first position."""
+    out = dict(cache)
+    out["keep"] = cache["lengths"][:, None] < evict_at
+    return out
+
+
+def _strip_keep(cache: dict) -> dict:
+    return {k: v for k, v in cache.items() if k != "keep"}
+
+
+class Sampler:
+    """Jitted prefill/decode for one (model config, dtype policy, sampling config).
+
+    Build with :func:`get_sampler` (cached, so tests and loops share compiles).
+    """
+
+    def __init__(self, model: Transformer, cfg: SamplingConfig):
+        mcfg = model.cfg
+        if "F" in mcfg.layer_pattern and cfg.page_size % mcfg.sparse_block_size:
+            raise ValueError(
+                f"SamplingConfig.page_size={cfg.page_size} must be a multiple of "
+                f"sparse_block_size={mcfg.sparse_block_size}"
+            )
+        self.model, self.cfg = model, cfg
+        self.prefill_rows = cfg.prefill_rows(model.policy.parity)
+        self.is_moe = mcfg.is_moe
+        self.prefill = jax.jit(self._prefill, donate_argnums=1)
+        self.decode = jax.jit(self._decode, donate_argnums=1)
+
+    # State ----------------------------------------------------------------------------------
+    def init_state(self, batch: int, n_pages: int | None = None) -> DecodeState:
+        """Empty state of ``batch`` slots (shared pool of ``n_pages`` pages if given)."""
+        spec = CacheSpec(batch, self.cfg.max_len, self.cfg.page_size, n_pages)
+        cache = init_cache(self.model.cfg, self.model.policy, spec)
+        return DecodeState(
+            cache=cache,
+            logits=jnp.zeros((batch, self.model.cfg.vocab_size), jnp.float32),
+            evict_at=jnp.full((batch, self.cfg.max_len), _NEVER, jnp.int32),
+        )
+
+    def reset_slots(self, state: DecodeState, mask, block_tables=None) -> DecodeState:
+        """Empties the slots where ``mask`` (bool [B]) is set; optionally new block tables.
+
+        Stale keys stay in the buffers but are masked by ``lengths`` (model cache contract).
+        """
+        mask = jnp.asarray(mask)
+        cache = dict(state.cache)
+        cache["lengths"] = jnp.where(mask, 0, cache["lengths"])
+        if block_tables is not None:
+            cache["block_tables"] = jnp.asarray(block_tables, jnp.int32)
+        evict = jnp.where(mask[:, None], _NEVER, state.evict_at)
+        return DecodeState(cache, state.logits, evict)
+
+    # Prefill --------------------------------------------------------------------------------
+    def _prefill(self, params, state: DecodeState, tokens, n_new):
+        """Appends ``tokens[b, :n_new[b]]`` to each slot in position-aligned chunks.
+
+        tokens int32 [B, Tp] (Tp fixed by the caller, see ``prefill_width``); n_new int32 [B]
+        (0 leaves a slot untouched). The number of chunks run is dynamic (one compile). Returns
+        (new state, routes int32 [B, Tp, L_moe, k] of the new tokens, or None). Slots with
+        n_new > 0 get the logits after their last new token.
+        """
+        cp = self.prefill_rows
+        b, tp = tokens.shape
+        start = state.cache["lengths"]
+        first = cp - start % cp  # rows of the (partial) first chunk
+        # chunk j >= 1 holds new tokens first + (j-1)*cp ...; chunk 0 holds 0 .. first-1
+        need = jnp.where(n_new > 0, 1 + jnp.maximum(0, -(-(n_new - first) // cp)), 0)
+        n_chunks = jnp.max(need)
+        pad = jnp.pad(tokens, ((0, 0), (0, cp)))
+        mcfg = self.model.cfg
+        routes0 = (
+            jnp.zeros((b, tp + cp, mcfg.n_layers, mcfg.experts_per_token), jnp.int32)
+            if self.is_moe
+            else None
+        )
+
+        def body(j, carry):
+            cache, last, routes = carry
+            off = jnp.where(j == 0, 0, first + (j - 1) * cp)  # [B]
+            cnt = jnp.where(j == 0, first, cp)
+            idx = off[:, None] + jnp.arange(cp)  # [B, Cp]
+            val = (jnp.arange(cp)[None, :] < cnt[:, None]) & (idx < n_new[:, None])
+            tok = jnp.take_along_axis(pad, jnp.minimum(idx, tp + cp - 1), axis=1)
+            logits, cache, extras = self.model.apply(
+                params, tok, cache=_with_keep(cache, state.evict_at), valid=val
+            )
+            n_val = jnp.sum(val, axis=1)
+            row = jnp.maximum(n_val - 1, 0)
+            lg = jnp.take_along_axis(logits, row[:, None, None], axis=1)[:, 0]
+            last = jnp.where((n_val > 0)[:, None], lg, last)
+            if routes is not None:
+                bi = jnp.broadcast_to(jnp.arange(b)[:, None], (b, cp))
+                dst = jnp.where(val, idx, tp + cp)  # invalid rows dropped
+                routes = routes.at[bi, dst].set(extras["routes"], mode="drop")
+            return _strip_keep(cache), last, routes
+
+        cache, last, routes = jax.lax.fori_loop(
+            0, n_chunks, body, (state.cache, state.logits, routes0)
+        )
+        if routes is not None:
+            routes = routes[:, :tp]
+        return DecodeState(cache, last, state.evict_at), routes
+
+    def prefill_width(self, n_max: int) -> int:
+        """Token-array width for a prefill of at most ``n_max`` new tokens per slot.
+
+        Widths are bucketed to powers of two (at least 64) so few shapes are ever compiled.
+        """
+        return max(64, 1 << max(0, int(n_max) - 1).bit_length())
+
+    # Decode ---------------------------------------------------------------------------------
+    def _decode(self, params, state: DecodeState, rng, uids, active, budget, stop_after):
+        """Generates for active slots until each stops, or ``stop_after`` slots stopped.
+
+        Args:
+          params: model parameters.
+          state: DecodeState; ``logits`` must hold each active slot's next-token logits.
+          rng: base PRNG key; uids int32 [B] episode ids (see module docstring).
+          active: bool [B] slots that generate. budget: int32 [B] most tokens each may emit.
+          stop_after: int32 scalar; return once this many active slots have finished.
+
+        Returns:
+          (new state, DecodeOut).
+        """
+        cfg, model = self.cfg, self.model
+        b = active.shape[0]
+        n = cfg.max_new_tokens
+        c = cfg.chunk
+        stops = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
+        mcfg = model.cfg
+        out_tok = jnp.zeros((b, n), jnp.int32)
+        out_lp = jnp.zeros((b, n), jnp.float32)
+        out_rt = (
+            jnp.zeros((b, n, mcfg.n_layers, mcfg.experts_per_token), jnp.int32)
+            if self.is_moe
+            else None
+        )
+        live = active & (budget > 0)
+        init = (0, state, live, jnp.zeros((b,), jnp.int32), out_tok, out_lp, out_rt)
+
+        def cond(carry):
+            i, _, live, _, *_ = carry
+            n_done = jnp.sum(active & ~live)
+            return (i < n) & jnp.any(live) & (n_done < stop_after)
+
+        def body(carry):
+            i, st, live, count, out_tok, out_lp, out_rt = carry
+            pos = st.cache["lengths"]
+            tok, lp = sample_tokens(st.logits, token_keys(rng, uids, pos), cfg)
+            toks = jnp.zeros((b, c), jnp.int32).at[:, 0].set(tok)
+            valid = jnp.zeros((b, c), bool).at[:, 0].set(live)
+            logits, cache, extras = model.apply(
+                params, toks, cache=_with_keep(st.cache, st.evict_at), valid=valid
+            )
+            new_logits = jnp.where(live[:, None], logits[:, 0], st.logits)
+            out_tok = out_tok.at[:, i].set(jnp.where(live, tok, 0))
+            out_lp = out_lp.at[:, i].set(jnp.where(live, lp, 0.0))
+            if out_rt is not None:
+                out_rt = out_rt.at[:, i].set(
+                    jnp.where(live[:, None, None], extras["routes"][:, 0], 0)
+                )
+            count = count + live.astype(jnp.int32)
+            ended = jnp.any(tok[:, None] == stops[None, :], axis=1) | (count >= budget)
+            st = DecodeState(_strip_keep(cache), new_logits, st.evict_at)
+            return i + 1, st, live & ~ended, count, out_tok, out_lp, out_rt
+
+        _, state, live_end, count, out_tok, out_lp, out_rt = jax.lax.while_loop(cond, body, init)
+        finished = active & ~live_end
+        return state, DecodeOut(out_tok, out_lp, out_rt, count, finished)
+
+
+@functools.cache
+def _cached_sampler(model_cfg, policy, cfg: SamplingConfig) -> Sampler:
+    return Sampler(Transformer(model_cfg, policy), cfg)
+
+
+def get_sampler(model: Transformer, cfg: SamplingConfig) -> Sampler:
+    """The (cached) :class:`Sampler` of ``model`` (its config and policy) and ``cfg``."""
+    return _cached_sampler(model.cfg, model.policy, cfg)

@@ -1,0 +1,225 @@
+"""The ``Trajectory`` batch the rollout produces and the trainer consumes, and its JSONL log.
+
+Layout (B episodes padded to T tokens; numpy arrays from the rollout, any array type works):
+  tokens            int32 [B, T]  prompt, model turns, observations (0 on padding)
+  valid             bool  [B, T]  non-padding
+  action_mask       bool  [B, T]  tokens the model sampled (losses and logprobs apply there)
+  turn_ids          int32 [B, T]  0 prompt, k on model turn k and its observation, -1 padding
+  rollout_logprobs  f32   [B, T]  log p(tokens[b,t] | tokens[b,:t]) under the untempered policy
+                                  (0 off actions); compare with token_logprobs(logits[:, :-1],
+                                  tokens[:, 1:]) at positions 1..T-1
+  routes            int32 [B, T, L_moe, k] or None: experts each token's own forward used
+  outcome_reward    f32   [B]     final-step reward (0 if the episode did not finish)
+  process_rewards   f32   [B, T]  sum of the turn's process signals on its last action token
+  success, goal_adhered, truncated  bool [B]  (truncated: stopped by max turns / max tokens /
+                                  cache capacity before the environment said done)
+  group_ids         int32 [B]     episodes of the same task share a group id
+  kv_evict_at       int32 [B, T] or None: for KV eviction, the first position whose chunk no
+                                  longer sees token t in full/sparse layers (int32 max = kept).
+                                  Eviction takes effect at chunk-aligned positions; replay it with
+                                  ``trainer_logprobs(..., replay_kv=True)``
+  kv_keep_mask      bool  [B, T] or None: ``kv_evict_at == int32 max`` (token never evicted)
+  kv_int8_mask      bool  [B, T] or None: token's K/V pages were moved to int8 (per-page scales)
+  kv_int8_at        int32 [B, T] or None: the chunk-aligned position from which it was int8
+
+``logs`` (host only, dropped by jax tree operations so a jitted trainer never retraces on it):
+one dict per model turn with ``episode``, ``turn``, ``tool``, ``args``, ``output``, ``error``,
+``pages_in_use``, ``kv_bytes``, ``tokens_so_far``, ``new_tokens``, ``prefill_tokens``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax
+import numpy as np
+
+ARRAY_FIELDS = (
+    "tokens",
+    "valid",
+    "action_mask",
+    "turn_ids",
+    "rollout_logprobs",
+    "routes",
+    "outcome_reward",
+    "process_rewards",
+    "success",
+    "goal_adhered",
+    "truncated",
+    "group_ids",
+    "kv_evict_at",
+    "kv_keep_mask",
+    "kv_int8_mask",
+    "kv_int8_at",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    """A padded batch of episodes (see module docstring). A jax pytree of its arrays."""
+
+    tokens: Any
+    valid: Any
+    action_mask: Any
+    turn_ids: Any
+    rollout_logprobs: Any
+    routes: Any
+    outcome_reward: Any
+    process_rewards: Any
+    success: Any
+    goal_adhered: Any
+    truncated: Any
+    group_ids: Any
+    kv_evict_at: Any = None
+    kv_keep_mask: Any = None
+    kv_int8_mask: Any = None
+    kv_int8_at: Any = None
+    logs: tuple = ()
+
+    @property
+    def batch(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def replace(self, **changes) -> Trajectory:
+        return dataclasses.replace(self, **changes)
+
+
+def _flatten(traj: Trajectory):
+    return tuple(getattr(traj, f) for f in ARRAY_FIELDS), None
+
+
+def _unflatten(_, children) -> Trajectory:
+    return Trajectory(**dict(zip(ARRAY_FIELDS, children)))
+
+
+jax.tree_util.register_pytree_node(Trajectory, _flatten, _unflatten)
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def log_lines(traj: Trajectory) -> list[str]:
+    """The per-turn log records of ``traj`` as JSON strings (one line each)."""
+    return [json.dumps(_jsonable(r), sort_keys=True) for r in traj.logs]
+
+
+def write_jsonl(traj: Trajectory, path: str, *, append: bool = True) -> int:
+    """Writes the per-turn log to ``path`` as JSONL; returns the number of records."""
+    lines = log_lines(traj)
+    with open(path, "a" if append else "w") as f:
+        for line in lines:
+            f.write(line + "\n")
+    return len(lines)
+
+
+@dataclasses.dataclass
+class EpisodeRecord:
+    """Host-side token stream of one episode while it is being played."""
+
+    uid: int
+    task_index: int
+    group_id: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    action: list[bool] = dataclasses.field(default_factory=list)
+    turn_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    routes: np.ndarray | None = None  # [capacity, L_moe, k], written by position
+    routes_upto: int = 0  # routes of tokens before this index are final
+    process: dict[int, float] = dataclasses.field(default_factory=dict)
+    evict_at: dict[int, int] = dataclasses.field(default_factory=dict)
+    int8_at: dict[int, int] = dataclasses.field(default_factory=dict)
+    outcome: float = 0.0
+    success: bool = False
+    goal_adhered: bool = True
+    done: bool = False
+    truncated: bool = False
+
+    def extend(self, toks, *, action: bool, turn: int, logprobs=None) -> None:
+        toks = [int(t) for t in toks]
+        self.tokens += toks
+        self.action += [action] * len(toks)
+        self.turn_ids += [turn] * len(toks)
+        self.logprobs += [0.0] * len(toks) if logprobs is None else [float(x) for x in logprobs]
+
+    def set_routes(self, start: int, routes: np.ndarray) -> None:
+        """Routes of tokens ``start .. start + len(routes) - 1`` (MoE)."""
+        if self.routes is not None and len(routes):
+            self.routes[start : start + len(routes)] = routes
+
+
+def stack_episodes(
+    records: list[EpisodeRecord],
+    *,
+    pad_to: int | None = None,
+    route_shape: tuple[int, int] | None = None,
+    kv_masks: bool = False,
+    logs: tuple = (),
+) -> Trajectory:
+    """Pads finished episode records into a :class:`Trajectory` (rows in record order).
+
+    Raises:
+      ValueError: if ``pad_to`` is shorter than the longest episode.
+    """
+    longest = max(len(r.tokens) for r in records)
+    t = longest if pad_to is None else pad_to
+    if t < longest:
+        raise ValueError(f"pad_to={pad_to} must be >= the longest episode ({longest})")
+    b = len(records)
+    tokens = np.zeros((b, t), np.int32)
+    valid = np.zeros((b, t), bool)
+    action = np.zeros((b, t), bool)
+    turns = np.full((b, t), -1, np.int32)
+    logp = np.zeros((b, t), np.float32)
+    proc = np.zeros((b, t), np.float32)
+    routes = None if route_shape is None else np.zeros((b, t, *route_shape), np.int32)
+    never = np.iinfo(np.int32).max
+    evict = np.full((b, t), never, np.int32) if kv_masks else None
+    int8 = np.full((b, t), never, np.int32) if kv_masks else None
+    for i, r in enumerate(records):
+        n = len(r.tokens)
+        tokens[i, :n] = r.tokens
+        valid[i, :n] = True
+        action[i, :n] = r.action
+        turns[i, :n] = r.turn_ids
+        logp[i, :n] = r.logprobs
+        for pos, v in r.process.items():
+            proc[i, pos] += v
+        if routes is not None and r.routes is not None:
+            routes[i, :n] = r.routes[:n]
+        if kv_masks:
+            for pos, e in r.evict_at.items():
+                evict[i, pos] = e
+            for pos, e in r.int8_at.items():
+                int8[i, pos] = e
+    return Trajectory(
+        tokens=tokens,
+        valid=valid,
+        action_mask=action,
+        turn_ids=turns,
+        rollout_logprobs=logp,
+        routes=routes,
+        outcome_reward=np.asarray([r.outcome for r in records], np.float32),
+        process_rewards=proc,
+        success=np.asarray([r.success for r in records], bool),
+        goal_adhered=np.asarray([r.goal_adhered for r in records], bool),
+        truncated=np.asarray([r.truncated for r in records], bool),
+        group_ids=np.asarray([r.group_id for r in records], np.int32),
+        kv_evict_at=evict,
+        kv_keep_mask=None if evict is None else evict == never,
+        kv_int8_mask=None if int8 is None else int8 != never,
+        kv_int8_at=int8,
+        logs=tuple(logs),
+    )
