@@ -1,0 +1,201 @@
+"""RL trainer configuration, train state and optimiser.
+
+``RLConfig`` fixes every knob of the update (optimiser, PPO epochs/minibatches, micro-batching,
+the nested ``LossConfig``, replay switches, non-finite fallback); ``TrainState`` is the pytree the
+jitted ``update_fn`` consumes and returns (donated); ``make_optimizer`` builds the optax chain
+clip_by_global_norm -> AdamW with a warmup(+cosine) schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from agentrl_jax.precision import policy_names
+from agentrl_jax.rl.losses import LossConfig
+
+OLD_LOGPROBS = ("recompute", "rollout")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """Every knob of the jitted RL update (hashable; bad values raise ``ValueError``).
+
+    Attributes:
+      lr: peak learning rate (> 0).
+      warmup_steps: linear warmup from 0 over this many optimiser updates (>= 0).
+      decay_steps: cosine decay to ``lr * final_lr_ratio`` over this many updates after warmup;
+        0 keeps the rate constant after warmup.
+      final_lr_ratio: end of the cosine decay as a fraction of ``lr``, in [0, 1].
+      weight_decay: decoupled AdamW weight decay (>= 0), applied to parameters with ndim >= 2.
+      b1, b2: Adam moment decay rates, in [0, 1).
+      eps: Adam epsilon (> 0).
+      grad_clip: global-norm clip (> 0); None disables clipping.
+      ppo_epochs: passes over the batch per update step (>= 1).
+      n_minibatches: optimiser updates per epoch; the batch is permuted (per epoch, from the
+        step's rng) and split into this many minibatches (must divide the batch size).
+      micro_batch: sequences per gradient-accumulation micro-batch (must divide the minibatch);
+        None = the whole minibatch at once.
+      loss: the policy-loss configuration (clipping, aggregation, KL, entropy coefficient
+        ``loss.entropy_coef``, MoE load-balance/z coefficients, mismatch corrections).
+      old_logprobs: PPO anchor logp_old. 'recompute': a no-gradient teacher-forced pass with the
+        pre-update parameters at the start of the step (same policy and path as training, so the
+        first PPO ratio is exactly 1 and rollout/train numerics go into the correction weights
+        rho = exp(logp_old - logp_rollout)); 'rollout': the sampler's logprobs (rho = 1, the
+        numerics mismatch enters the PPO ratio itself).
+      log_mismatch: compute rollout-vs-train mismatch metrics every step (needs the pre-update
+        pass; with old_logprobs='recompute' it is free).
+      use_routing_replay: recompute with ``batch['routes']`` forced as the MoE routes.
+      use_kv_mask_replay: replay rollout KV eviction masks (not supported by the model's
+        teacher-forced path yet: setting it raises when the update is built).
+      max_consecutive_nonfinite: non-finite steps in a row after which ``FallbackController``
+        switches to ``fallback_policy`` (>= 0; 0 disables the fallback).
+      fallback_policy: dtype-policy preset used during a fallback.
+      fallback_steps: steps run under the fallback policy before switching back (>= 1).
+    """
+
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    decay_steps: int = 0
+    final_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+    ppo_epochs: int = 1
+    n_minibatches: int = 1
+    micro_batch: int | None = None
+    loss: LossConfig = LossConfig()
+    old_logprobs: str = "recompute"
+    log_mismatch: bool = True
+    use_routing_replay: bool = False
+    use_kv_mask_replay: bool = False
+    max_consecutive_nonfinite: int = 3
+    fallback_policy: str = "bf16"
+    fallback_steps: int = 10
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise ValueError(f"RLConfig.lr={self.lr} must be > 0")
+        for field in ("warmup_steps", "decay_steps", "max_consecutive_nonfinite"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"RLConfig.{field}={value!r} must be an int >= 0")
+        for field in ("ppo_epochs", "n_minibatches", "fallback_steps"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"RLConfig.{field}={value!r} must be an int >= 1")
+        if self.micro_batch is not None and (
+            not isinstance(self.micro_batch, int) or self.micro_batch < 1
+        ):
+            raise ValueError(f"RLConfig.micro_batch={self.micro_batch!r} must be an int >= 1")
+        if not 0.0 <= self.final_lr_ratio <= 1.0:
+            raise ValueError(f"RLConfig.final_lr_ratio={self.final_lr_ratio} must be in [0, 1]")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"RLConfig.weight_decay={self.weight_decay} must be >= 0")
+        for field in ("b1", "b2"):
+            if not 0.0 <= getattr(self, field) < 1.0:
+                raise ValueError(f"RLConfig.{field}={getattr(self, field)} must be in [0, 1)")
+        if not self.eps > 0:
+            raise ValueError(f"RLConfig.eps={self.eps} must be > 0")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"RLConfig.grad_clip={self.grad_clip} must be > 0 or None")
+        if not isinstance(self.loss, LossConfig):
+            raise ValueError(f"RLConfig.loss must be a LossConfig, got {type(self.loss).__name__}")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(
+                f"RLConfig.old_logprobs={self.old_logprobs!r}; allowed: {OLD_LOGPROBS}"
+            )
+        if self.fallback_policy not in policy_names():
+            raise ValueError(
+                f"RLConfig.fallback_policy={self.fallback_policy!r}; allowed: {policy_names()}"
+            )
+
+    def replace(self, **changes) -> RLConfig:
+        return dataclasses.replace(self, **changes)
+
+
+class TrainState(NamedTuple):
+    """Everything the update carries from step to step (a pytree; donated to ``update_fn``).
+
+    Attributes:
+      step: int32 scalar, update steps taken (skipped ones included).
+      params: model parameters.
+      opt_state: optax state (unchanged by a skipped step).
+      rng: typed PRNG key of the run (the loop splits it; ``update_fn`` only reads it when no
+        rng is passed).
+      nonfinite_count: int32 scalar, steps skipped for non-finite loss/gradients so far.
+      consecutive_nonfinite: int32 scalar, skipped steps in a row (0 after a good step).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    nonfinite_count: jax.Array
+    consecutive_nonfinite: jax.Array
+
+
+def learning_rate_schedule(cfg: RLConfig) -> optax.Schedule:
+    """Linear warmup to ``cfg.lr`` then constant, or cosine to ``lr * final_lr_ratio``."""
+    if cfg.decay_steps > 0:
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0,
+            peak_value=cfg.lr,
+            warmup_steps=cfg.warmup_steps,
+            decay_steps=cfg.warmup_steps + cfg.decay_steps,
+            end_value=cfg.lr * cfg.final_lr_ratio,
+        )
+    if cfg.warmup_steps > 0:
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps), optax.constant_schedule(cfg.lr)],
+            [cfg.warmup_steps],
+        )
+    return optax.constant_schedule(cfg.lr)
+
+
+def _decay_mask(params):
+    return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
+    """optax chain: clip_by_global_norm(grad_clip) -> AdamW(schedule, b1, b2, eps, wd).
+
+    Weight decay skips parameters with fewer than 2 dimensions (norm scales, biases).
+    """
+    parts = []
+    if cfg.grad_clip is not None:
+        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+    parts.append(
+        optax.adamw(
+            learning_rate=learning_rate_schedule(cfg),
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=_decay_mask,
+        )
+    )
+    return optax.chain(*parts)
+
+
+def init_train_state(params, cfg: RLConfig, rng: jax.Array) -> TrainState:
+    """Fresh ``TrainState`` (step 0, zero counters, optimiser initialised from ``params``).
+
+    ``params`` are not copied: ``update_fn`` donates the state, so pass a copy
+    (``jax.tree.map(jnp.copy, params)``) if the caller keeps using its own.
+    """
+    zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the state is donated
+    return TrainState(
+        step=zero(),
+        params=params,
+        opt_state=make_optimizer(cfg).init(params),
+        rng=rng,
+        nonfinite_count=zero(),
+        consecutive_nonfinite=zero(),
+    )

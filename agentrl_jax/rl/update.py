@@ -1,0 +1,393 @@
+"""The jitted RL update: ``update_fn(state, batch, rng) -> (state, metrics)``, state donated.
+
+One call = one update step:
+  1. (pre-update pass, no gradient) teacher-forced logprobs of the batch with the current
+     parameters: the PPO anchor ``logp_old`` when ``old_logprobs='recompute'`` and the source of
+     the rollout-vs-train mismatch metrics (``mismatch/*``, incl. MoE routing agreement);
+  2. ``ppo_epochs`` x ``n_minibatches`` optimiser updates as two nested ``lax.scan``s; the batch
+     is permuted per epoch from ``fold_in(fold_in(rng, step), epoch)``;
+  3. each minibatch gradient is accumulated over micro-batches with a ``lax.scan``; micro-batch
+     losses are weighted so that the sum equals the minibatch loss exactly (token-mean: share of
+     action tokens, seq-mean-*: share of non-empty sequences, seq-mean-token-sum-norm: share of
+     sequences); MoE load-balance/z losses are averaged over micro-batches;
+  4. clip_by_global_norm + AdamW (``make_optimizer``); an update whose loss, gradient norm or
+     update norm is not finite is skipped (params and optimiser state kept via ``jnp.where``).
+     A step with any skipped update counts as non-finite (``skipped``, ``nonfinite_steps``).
+
+Batch (numpy or jax arrays, B sequences padded to T; see the trajectory contract):
+  tokens int32 [B,T]; valid bool [B,T] (default all); action_mask bool [B,T];
+  advantages f32 [B,T] (on action tokens, from ``rl.advantages``); rollout_logprobs f32 [B,T]
+  (needed by old_logprobs='rollout', mismatch metrics and corrections); ref_logprobs f32 [B,T]
+  (when loss.kl_coef > 0); routes int32 [B,T,L,k] (MoE; required by routing replay).
+
+Shape legend: B sequences, T tokens, L MoE layers, k experts per token, M minibatches,
+U micro-batches per minibatch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from agentrl_jax.model.transformer import Transformer
+from agentrl_jax.precision import DTypePolicy
+from agentrl_jax.rl.logprobs import (
+    as_chunk_spec,
+    sequence_logprobs,
+    target_mask,
+    with_policy,
+)
+from agentrl_jax.rl.losses import policy_loss
+from agentrl_jax.rl.mismatch import mismatch_metrics
+from agentrl_jax.rl.state import RLConfig, TrainState, make_optimizer
+
+log = logging.getLogger(__name__)
+
+UpdateFn = Callable[..., tuple[TrainState, dict[str, jax.Array]]]
+# policy_loss metrics combined with max / min instead of a weighted mean over micro-batches
+_MAX_METRICS = ("ratio_max",)
+_MIN_METRICS = ("ratio_min",)
+# metrics that are aggregated losses: combined with the loss weights (sum = minibatch value)
+_AGG_METRICS = ("loss", "pg_loss", "kl_ref", "entropy")
+
+
+def prepare_batch(batch: dict, rl_cfg: RLConfig, model: Transformer) -> dict[str, jax.Array]:
+    """Per-sequence arrays the update indexes by row, shifted to the logprob alignment.
+
+    Returns a dict with tokens [B,T], valid [B,T], mask [B,T-1], adv [B,T-1] and, when present
+    or needed, logp_rollout [B,T-1], logp_ref [B,T-1], routes [B,T,L,k] (replay) and
+    rollout_routes [B,T,L,k] (mismatch only).
+
+    Raises:
+      ValueError: a missing required field or a shape mismatch.
+    """
+    for field in ("tokens", "action_mask", "advantages"):
+        if field not in batch:
+            raise ValueError(f"batch is missing {field!r}")
+    tokens = jnp.asarray(batch["tokens"], jnp.int32)
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"batch['tokens'] must be [B, T] with T >= 2, got {tokens.shape}")
+    shape = tuple(tokens.shape)
+    valid = jnp.asarray(batch.get("valid", jnp.ones(shape, bool)), bool)
+    for field in ("valid", "action_mask", "advantages", "rollout_logprobs", "ref_logprobs"):
+        if field in batch and tuple(jnp.shape(batch[field])) != shape:
+            raise ValueError(
+                f"batch[{field!r}] must have shape {shape}, got {jnp.shape(batch[field])}"
+            )
+    data = {
+        "tokens": tokens,
+        "valid": valid,
+        "mask": target_mask(jnp.asarray(batch["action_mask"], bool), valid),
+        "adv": jnp.asarray(batch["advantages"], jnp.float32)[:, 1:],
+    }
+    if "rollout_logprobs" in batch:
+        data["logp_rollout"] = jnp.asarray(batch["rollout_logprobs"], jnp.float32)[:, 1:]
+    elif rl_cfg.old_logprobs == "rollout":
+        raise ValueError("old_logprobs='rollout' needs batch['rollout_logprobs']")
+    if rl_cfg.loss.kl_coef > 0:
+        if "ref_logprobs" not in batch:
+            raise ValueError("loss.kl_coef > 0 needs batch['ref_logprobs']")
+        data["logp_ref"] = jnp.asarray(batch["ref_logprobs"], jnp.float32)[:, 1:]
+    cfg = model.cfg
+    if "routes" in batch and cfg.is_moe:
+        routes = jnp.asarray(batch["routes"], jnp.int32)
+        want = (*shape, cfg.n_layers, cfg.experts_per_token)
+        if tuple(routes.shape) != want:
+            raise ValueError(f"batch['routes'] must have shape {want}, got {routes.shape}")
+        data["routes" if rl_cfg.use_routing_replay else "rollout_routes"] = routes
+    elif rl_cfg.use_routing_replay:
+        raise ValueError("use_routing_replay=True needs an MoE model and batch['routes']")
+    return data
+
+
+def _split(tree, n: int):
+    return jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), tree)
+
+
+def _tree_where(pred, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def _check_divides(b: int, rl_cfg: RLConfig) -> int:
+    if b % rl_cfg.n_minibatches:
+        raise ValueError(
+            f"RLConfig.n_minibatches={rl_cfg.n_minibatches} must divide the batch size {b}"
+        )
+    bm = b // rl_cfg.n_minibatches
+    if rl_cfg.micro_batch is not None and bm % rl_cfg.micro_batch:
+        raise ValueError(
+            f"RLConfig.micro_batch={rl_cfg.micro_batch} must divide the minibatch size {bm}"
+        )
+    return bm
+
+
+def _micro_weights(mask: jax.Array, agg_mode: str) -> tuple[jax.Array, jax.Array]:
+    """(loss weights, token weights) f32 [U] of micro-batches; mask bool [U, b, T-1]."""
+    tok = jnp.sum(mask, axis=(1, 2)).astype(jnp.float32)
+    tok_w = tok / jnp.maximum(jnp.sum(tok), 1.0)
+    if agg_mode == "token-mean":
+        return tok_w, tok_w
+    if agg_mode == "seq-mean-token-sum-norm":
+        u = mask.shape[0]
+        return jnp.full((u,), 1.0 / u, jnp.float32), tok_w
+    seq = jnp.sum(jnp.any(mask, axis=2), axis=1).astype(jnp.float32)
+    return seq / jnp.maximum(jnp.sum(seq), 1.0), tok_w
+
+
+def _combine(stacked: dict[str, jax.Array], loss_w: jax.Array, tok_w: jax.Array) -> dict:
+    out = {}
+    for name, v in stacked.items():
+        if name in _MAX_METRICS:
+            out[name] = jnp.max(v)
+        elif name in _MIN_METRICS:
+            out[name] = jnp.min(v)
+        elif name in _AGG_METRICS:
+            out[name] = jnp.sum(v * loss_w)
+        elif name.startswith("moe_"):
+            out[name] = jnp.mean(v)
+        else:
+            out[name] = jnp.sum(v * tok_w)
+    return out
+
+
+def make_grad_fn(
+    model: Transformer,
+    rl_cfg: RLConfig,
+    policy: DTypePolicy | None = None,
+    sampling_meta: Any = None,
+) -> Callable[[Any, dict], tuple[Any, dict[str, jax.Array]]]:
+    """``grad_fn(params, minibatch) -> (grads, metrics)`` with micro-batch accumulation.
+
+    ``minibatch`` is a row subset of :func:`prepare_batch`'s output plus ``logp_old`` [b, T-1].
+    The returned gradient is that of the minibatch objective
+      policy_loss(minibatch) + moe_lb_coef * mean_u lb_u + moe_z_coef * mean_u z_u
+    (equal to the unsplit gradient up to float rounding when the MoE terms are off or dropless
+    routing makes them batch-independent). Not jitted (trace it inside your own jit).
+    """
+    model = with_policy(model, policy)
+    spec = as_chunk_spec(sampling_meta)
+    lcfg = rl_cfg.loss
+    sg = jax.lax.stop_gradient
+
+    def micro_loss(params, x, loss_w, n_micro):
+        logp, ent, extras = sequence_logprobs(
+            model,
+            params,
+            x["tokens"],
+            valid=x["valid"],
+            replay_routes=x.get("routes"),
+            chunk_spec=spec,
+        )
+        loss, metrics = policy_loss(
+            logp,
+            x["logp_old"],
+            x.get("logp_rollout"),
+            x["adv"],
+            x["mask"],
+            lcfg,
+            logp_ref=x.get("logp_ref"),
+            entropy=ent if lcfg.entropy_coef > 0 else sg(ent),
+        )
+        total = loss_w * loss
+        if model.cfg.is_moe:
+            lb, z = extras["load_balance_loss"], extras["z_loss"]
+            total = total + (lcfg.moe_lb_coef * lb + lcfg.moe_z_coef * z) / n_micro
+            metrics["moe_lb_loss"] = sg(lb)
+            metrics["moe_z_loss"] = sg(z)
+            metrics["moe_dropped_fraction"] = sg(extras["dropped_fraction"])
+        return total, metrics
+
+    def grad_fn(params, mb):
+        bm = mb["tokens"].shape[0]
+        mbs = rl_cfg.micro_batch or bm
+        if bm % mbs:
+            raise ValueError(f"RLConfig.micro_batch={mbs} must divide the minibatch size {bm}")
+        n_micro = bm // mbs
+        micro = _split(mb, n_micro)
+        loss_w, tok_w = _micro_weights(micro["mask"], lcfg.agg_mode)
+        vg = jax.value_and_grad(micro_loss, has_aux=True)
+
+        def body(acc, xs):
+            x, w = xs
+            (_, metrics), g = vg(params, x, w, n_micro)
+            return jax.tree.map(jnp.add, acc, g), metrics
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, stacked = jax.lax.scan(body, zeros, (micro, loss_w))
+        metrics = _combine(stacked, loss_w, tok_w)
+        if model.cfg.is_moe:
+            metrics["loss"] = metrics["loss"] + (
+                lcfg.moe_lb_coef * metrics["moe_lb_loss"] + lcfg.moe_z_coef * metrics["moe_z_loss"]
+            )
+        return grads, metrics
+
+    return grad_fn
+
+
+def _pre_update(model, rl_cfg, spec, params, data):
+    """No-gradient pass: (logp [B,T-1], entropy [B,T-1], routes [B,T,L,k] or None)."""
+    b = data["tokens"].shape[0]
+    # Parity policies need the sampler's batch size for bitwise numbers: one full-batch call.
+    mbs = b if model.policy.parity else (rl_cfg.micro_batch or b)
+
+    def run(x):
+        logp, ent, extras = sequence_logprobs(
+            model,
+            params,
+            x["tokens"],
+            valid=x["valid"],
+            replay_routes=x.get("routes"),
+            chunk_spec=spec,
+        )
+        return logp, ent, extras.get("routes")
+
+    keys = [k for k in ("tokens", "valid", "routes") if k in data]
+    x = {k: data[k] for k in keys}
+    if mbs == b:
+        out = run(x)
+    else:
+        out = jax.lax.map(run, _split(x, b // mbs))
+        out = jax.tree.map(lambda a: a.reshape(b, *a.shape[2:]), out)
+    return jax.tree.map(jax.lax.stop_gradient, out)
+
+
+def _as_key(rng):
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return rng
+    return jax.random.wrap_key_data(rng)
+
+
+def make_update_fn(
+    model: Transformer,
+    rl_cfg: RLConfig,
+    policy: DTypePolicy | None = None,
+    sampling_meta: Any = None,
+) -> UpdateFn:
+    """Builds the jitted ``update_fn(state, batch, rng=None) -> (state, metrics)``.
+
+    Args:
+      model: the Transformer (its parameters live in ``state.params``).
+      rl_cfg: RLConfig.
+      policy: dtype policy to train under (default ``model.policy``; the fallback passes
+        another preset, same parameters).
+      sampling_meta: the sampler's chunk geometry (``ChunkSpec``, dict or object with
+        ``chunk``/``page_size``/``max_len``); required by parity policies.
+
+    ``update_fn`` donates ``state``. ``rng`` (typed key or raw key data; default ``state.rng``)
+    is folded with ``state.step``. Metrics (f32 scalars): policy-loss parts averaged over the
+    applied updates (``loss``, ``pg_loss``, clip fractions, ``approx_kl``, ratio stats,
+    ``entropy``, MoE losses), ``grad_norm`` (pre-clip, mean) and ``grad_norm_max``,
+    ``skipped_updates``, ``skipped`` (1 if any update of the step was skipped),
+    ``nonfinite_steps``, ``tokens`` (valid), ``action_tokens``, ``n_updates`` and
+    ``mismatch/*`` (see ``rl.mismatch``) when rollout logprobs are given.
+
+    Raises:
+      ValueError: unsupported options (KV-mask replay, routing replay without MoE, parity
+        policy without ``sampling_meta``); at trace time, batch fields or sizes that do not fit.
+    """
+    model = with_policy(model, policy)
+    spec = as_chunk_spec(sampling_meta)
+    if rl_cfg.use_kv_mask_replay:
+        raise ValueError(
+            "RLConfig.use_kv_mask_replay=True is not supported yet: the model's teacher-forced "
+            "path has no per-query KV keep mask"
+        )
+    if rl_cfg.use_routing_replay and not model.cfg.is_moe:
+        raise ValueError("RLConfig.use_routing_replay=True needs an MoE model (n_experts > 0)")
+    if model.policy.parity and spec is None:
+        raise ValueError(f"policy {model.policy.name!r} needs sampling_meta (chunk geometry)")
+    tx = make_optimizer(rl_cfg)
+    grad_fn = make_grad_fn(model, rl_cfg, None, spec)
+
+    def update(state: TrainState, batch: dict, rng=None):
+        data = prepare_batch(batch, rl_cfg, model)
+        b = data["tokens"].shape[0]
+        bm = _check_divides(b, rl_cfg)
+        key = jax.random.fold_in(_as_key(state.rng if rng is None else rng), state.step)
+        metrics: dict[str, jax.Array] = {}
+        need_pre = rl_cfg.old_logprobs == "recompute" or (
+            rl_cfg.log_mismatch and "logp_rollout" in data
+        )
+        if need_pre:
+            logp_pre, _, routes_pre = _pre_update(model, rl_cfg, spec, state.params, data)
+        if rl_cfg.old_logprobs == "recompute":
+            data["logp_old"] = logp_pre
+        else:
+            data["logp_old"] = data["logp_rollout"]
+        if rl_cfg.log_mismatch and "logp_rollout" in data:
+            rollout_routes = data.get("routes", data.get("rollout_routes"))
+            with_routes = routes_pre is not None and rollout_routes is not None
+            mm = mismatch_metrics(
+                logp_pre,
+                data["logp_rollout"],
+                data["mask"],
+                routes_train=routes_pre[:, :-1] if with_routes else None,
+                routes_rollout=rollout_routes[:, :-1] if with_routes else None,
+            )
+            metrics |= {f"mismatch/{k}": v for k, v in mm.items()}
+        rows = {k: v for k, v in data.items() if k != "rollout_routes"}
+
+        def minibatch_step(carry, idx):
+            params, opt_state = carry
+            mb = jax.tree.map(lambda a: a[idx], rows)
+            grads, m = grad_fn(params, mb)
+            gnorm = optax.global_norm(grads)
+            updates, new_opt = tx.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            ok = jnp.isfinite(m["loss"]) & jnp.isfinite(gnorm)
+            ok = ok & jnp.isfinite(optax.global_norm(updates))
+            params = _tree_where(ok, new_params, params)
+            opt_state = _tree_where(ok, new_opt, opt_state)
+            return (params, opt_state), (m | {"grad_norm": gnorm}, ok)
+
+        def epoch(carry, e):
+            if rl_cfg.n_minibatches == 1:
+                order = jnp.arange(b)
+            else:
+                order = jax.random.permutation(jax.random.fold_in(key, e), b)
+            return jax.lax.scan(minibatch_step, carry, order.reshape(rl_cfg.n_minibatches, bm))
+
+        (params, opt_state), (per_update, ok) = jax.lax.scan(
+            epoch, (state.params, state.opt_state), jnp.arange(rl_cfg.ppo_epochs)
+        )
+        ok = ok.reshape(-1)
+        n_ok = jnp.sum(ok.astype(jnp.float32))
+        for name, v in per_update.items():
+            v = v.reshape(-1)
+            if name in _MAX_METRICS:
+                metrics[name] = jnp.max(jnp.where(ok, v, -jnp.inf))
+            elif name in _MIN_METRICS:
+                metrics[name] = jnp.min(jnp.where(ok, v, jnp.inf))
+            else:
+                metrics[name] = jnp.sum(jnp.where(ok, v, 0.0)) / jnp.maximum(n_ok, 1.0)
+            # With no applied update, report the raw (non-finite) values: that is the news.
+            metrics[name] = jnp.where(n_ok > 0, metrics[name], jnp.mean(v))
+        metrics["grad_norm_max"] = jnp.max(per_update["grad_norm"])
+        skipped_updates = jnp.sum((~ok).astype(jnp.int32))
+        skipped = skipped_updates > 0
+        nonfinite = state.nonfinite_count + skipped.astype(jnp.int32)
+        consecutive = jnp.where(skipped, state.consecutive_nonfinite + 1, 0).astype(jnp.int32)
+        metrics |= {
+            "skipped_updates": skipped_updates.astype(jnp.float32),
+            "skipped": skipped.astype(jnp.float32),
+            "nonfinite_steps": nonfinite.astype(jnp.float32),
+            "n_updates": jnp.float32(ok.shape[0]),
+            "tokens": jnp.sum(data["valid"]).astype(jnp.float32),
+            "action_tokens": jnp.sum(data["mask"]).astype(jnp.float32),
+        }
+        new_state = TrainState(
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            rng=state.rng,
+            nonfinite_count=nonfinite,
+            consecutive_nonfinite=consecutive,
+        )
+        return new_state, metrics
+
+    return jax.jit(update, donate_argnums=(0,))
