@@ -6,9 +6,11 @@ trajectory (``action_mask``, ``advantages``, ``rollout_logprobs``, ...) are shif
 ``x[:, 1:]`` and the loss mask is :func:`target_mask`. Routes are aligned with the forward
 position that produced the logprob: ``routes[:, :-1]``.
 
-Parity policies (``policy.parity``) recompute through ``forward_chunked`` with the sampler's
-chunk size, page size and cache capacity (:class:`ChunkSpec`), so the recomputed logprobs are
-bitwise the sampler's when the batch size matches too.
+Parity policies (``policy.parity``) recompute as a ``lax.scan`` of the model's chunk function
+with the sampler's chunk size, page size and cache capacity (:class:`ChunkSpec`), the same
+computation as ``agentrl_jax.rollout.parity`` (which also applies recorded KV evictions,
+``evict_at``), and every path takes logprobs with the sampler's ``fixed_order_logprobs``; with the
+sampler's batch size the recomputed logprobs are bitwise the rollout's.
 
 Shape legend: B sequences, T tokens, V vocab, L MoE layers, k experts per token.
 """
@@ -19,14 +21,14 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-from agentrl_jax.model.transformer import (
-    Transformer,
-    forward_chunked,
-    token_entropy,
-    token_logprobs,
-)
+from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache, token_entropy
 from agentrl_jax.precision import DTypePolicy
+from agentrl_jax.rollout.sampler import fixed_order_logprobs
+
+_NEVER = np.iinfo(np.int32).max  # evict_at of a key that is never evicted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +38,15 @@ class ChunkSpec:
     Attributes:
       chunk: rows per chunk call (the sampler's prefill/decode chunk C, >= 1).
       page_size: KV page size of the sampler's cache.
-      max_len: the sampler's cache capacity per sequence; None = T rounded up to ``chunk``.
+      max_len: the sampler's cache capacity per sequence (>= T); None = T.
+      n_slots: the sampler's batch size; the trainer's no-gradient recompute runs micro-batches
+        of this size so that its logprobs are bitwise the rollout's. None = the whole batch.
     """
 
-    chunk: int = 16
+    chunk: int = 4
     page_size: int = 16
     max_len: int | None = None
+    n_slots: int | None = None
 
     def __post_init__(self):
         if self.chunk < 1:
@@ -50,18 +55,26 @@ class ChunkSpec:
             raise ValueError(f"ChunkSpec.page_size={self.page_size} must be >= 1")
         if self.max_len is not None and self.max_len < 1:
             raise ValueError(f"ChunkSpec.max_len={self.max_len} must be >= 1 or None")
+        if self.n_slots is not None and self.n_slots < 1:
+            raise ValueError(f"ChunkSpec.n_slots={self.n_slots} must be >= 1 or None")
 
 
 def as_chunk_spec(meta: Any) -> ChunkSpec | None:
     """``ChunkSpec`` from a ChunkSpec, a dict or any object with ``chunk``/``page_size``/
-    ``max_len`` attributes (e.g. the sampler's config); None stays None."""
+    ``max_len`` (and optionally ``n_slots``) attributes, e.g. the sampler's ``SamplingConfig``;
+    None stays None."""
     if meta is None or isinstance(meta, ChunkSpec):
         return meta
     get = meta.get if isinstance(meta, dict) else lambda k, d=None: getattr(meta, k, d)
     chunk = get("chunk", None)
     if chunk is None:
         raise ValueError(f"sampling_meta {meta!r} has no 'chunk'")
-    return ChunkSpec(chunk=int(chunk), page_size=int(get("page_size", 16)), max_len=get("max_len"))
+    return ChunkSpec(
+        chunk=int(chunk),
+        page_size=int(get("page_size", 16)),
+        max_len=get("max_len"),
+        n_slots=get("n_slots"),
+    )
 
 
 def with_policy(model: Transformer, policy: DTypePolicy | None) -> Transformer:
@@ -82,6 +95,65 @@ def target_mask(action_mask: jax.Array, valid: jax.Array | None = None) -> jax.A
     return m[:, 1:]
 
 
+def chunked_logits(
+    model: Transformer,
+    params,
+    tokens: jax.Array,
+    spec: ChunkSpec,
+    *,
+    evict_at: jax.Array | None = None,
+    replay_routes: jax.Array | None = None,
+) -> tuple[jax.Array, dict]:
+    """Teacher-forced logits as a scan of the chunk function (the sampler's computation).
+
+    Keys of position p are visible to a chunk starting at ``s`` iff ``s < evict_at[b, p]``
+    (KV-eviction replay; default: never evicted).
+
+    Args:
+      tokens: int32 [B, T], T a multiple of ``spec.chunk`` and <= ``spec.max_len``.
+      evict_at: optional int32 [B, T] recorded eviction positions.
+      replay_routes: optional int32 [B, T, L, k].
+
+    Returns:
+      (logits f32 [B, T, V], extras: ``routes`` [B, T, L, k] (MoE) and the model's scalar MoE
+      losses averaged over chunks).
+
+    Raises:
+      ValueError: T not a multiple of the chunk or above ``max_len``.
+    """
+    b, t = tokens.shape
+    c, max_len = spec.chunk, spec.max_len or tokens.shape[1]
+    if t % c or t > max_len:
+        raise ValueError(f"tokens length {t} must be a multiple of chunk={c} and <= {max_len=}")
+    n_chunks = t // c
+    cache = init_cache(model.cfg, model.policy, CacheSpec(b, max_len, spec.page_size))
+    toks = tokens.reshape(b, n_chunks, c).swapaxes(0, 1)
+    rr = None
+    if replay_routes is not None:
+        rr = replay_routes.reshape(b, n_chunks, c, *replay_routes.shape[2:]).swapaxes(0, 1)
+    ev = jnp.full((b, max_len), _NEVER, jnp.int32)
+    if evict_at is not None:
+        ev = ev.at[:, :t].set(evict_at.astype(jnp.int32))
+
+    def step(cache, xs):
+        tok, rep = xs
+        cache = dict(cache)
+        cache["keep"] = cache["lengths"][:, None] < ev
+        logits, cache, extras = model.apply(
+            params, tok, cache=cache, valid=jnp.ones((b, c), bool), replay_routes=rep
+        )
+        cache.pop("keep")
+        return cache, (logits, extras)
+
+    _, (logits, extras) = jax.lax.scan(step, cache, (toks, rr))
+    logits = logits.swapaxes(0, 1).reshape(b, t, -1)
+    out = {k: jnp.mean(v) for k, v in extras.items() if k != "routes"}
+    if "routes" in extras:
+        r = extras["routes"]
+        out["routes"] = r.swapaxes(0, 1).reshape(b, t, *r.shape[3:])
+    return logits, out
+
+
 def sequence_logprobs(
     model: Transformer,
     params,
@@ -90,6 +162,7 @@ def sequence_logprobs(
     *,
     valid: jax.Array | None = None,
     replay_routes: jax.Array | None = None,
+    evict_at: jax.Array | None = None,
     chunk_spec: ChunkSpec | Any | None = None,
     with_entropy: bool = True,
 ) -> tuple[jax.Array, jax.Array | None, dict]:
@@ -100,19 +173,21 @@ def sequence_logprobs(
       params: model parameters.
       tokens: int32 [B, T].
       policy: dtype policy (default ``model.policy``); parity policies take the chunked path.
-      valid: bool [B, T] non-padding tokens (padding takes no MoE capacity; non-parity path).
+      valid: bool [B, T] non-padding tokens (padding takes no MoE capacity; non-parity path,
+        the chunked path treats every row as the sampler did).
       replay_routes: int32 [B, T, L, k] routes to force (routing replay), MoE only.
+      evict_at: int32 [B, T] recorded KV evictions to replay (parity policies only).
       chunk_spec: ``ChunkSpec`` (or anything :func:`as_chunk_spec` accepts); required by parity
         policies.
       with_entropy: also return the per-token entropy of the predictive distribution.
 
     Returns:
       (logp f32 [B, T-1], entropy f32 [B, T-1] or None, extras) with extras the model's
-      (``routes`` [B, T, L, k] and scalar MoE losses; on the chunked path the scalar losses are
-      means over chunks).
+      (``routes`` [B, T, L, k] and scalar MoE losses).
 
     Raises:
-      ValueError: a parity policy without ``chunk_spec``, or a bad tokens shape.
+      ValueError: a parity policy without ``chunk_spec``, ``evict_at`` without a parity
+        policy, or a bad tokens shape.
     """
     model = with_policy(model, policy)
     if tokens.ndim != 2 or tokens.shape[1] < 2:
@@ -124,20 +199,13 @@ def sequence_logprobs(
                 f"policy {model.policy.name!r} is a parity policy: pass chunk_spec (the sampler's "
                 "chunk, page_size, max_len)"
             )
-        logits, extras = forward_chunked(
-            model,
-            params,
-            tokens,
-            chunk=spec.chunk,
-            page_size=spec.page_size,
-            max_len=spec.max_len,
-            replay_routes=replay_routes,
+        logits, extras = chunked_logits(
+            model, params, tokens, spec, evict_at=evict_at, replay_routes=replay_routes
         )
-        n_chunks = -(-tokens.shape[1] // spec.chunk)
-        extras = {k: v if k == "routes" else v / n_chunks for k, v in extras.items()}
     else:
+        if evict_at is not None:
+            raise ValueError("evict_at (KV-mask replay) needs a parity policy")
         logits, _, extras = model.apply(params, tokens, valid=valid, replay_routes=replay_routes)
-    logp = token_logprobs(logits[:, :-1], tokens[:, 1:])
+    logp = fixed_order_logprobs(logits[:, :-1], tokens[:, 1:])
     entropy = token_entropy(logits[:, :-1]) if with_entropy else None
     return logp, entropy, extras
-

@@ -50,8 +50,8 @@ class RLConfig:
       log_mismatch: compute rollout-vs-train mismatch metrics every step (needs the pre-update
         pass; with old_logprobs='recompute' it is free).
       use_routing_replay: recompute with ``batch['routes']`` forced as the MoE routes.
-      use_kv_mask_replay: replay rollout KV eviction masks (not supported by the model's
-        teacher-forced path yet: setting it raises when the update is built).
+      use_kv_mask_replay: replay the rollout's KV evictions (``batch['kv_evict_at']``) in the
+        recompute; needs a parity policy (the chunked path).
       max_consecutive_nonfinite: non-finite steps in a row after which ``FallbackController``
         switches to ``fallback_policy`` (>= 0; 0 disables the fallback).
       fallback_policy: dtype-policy preset used during a fallback.

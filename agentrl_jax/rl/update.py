@@ -18,7 +18,8 @@ Batch (numpy or jax arrays, B sequences padded to T; see the trajectory contract
   tokens int32 [B,T]; valid bool [B,T] (default all); action_mask bool [B,T];
   advantages f32 [B,T] (on action tokens, from ``rl.advantages``); rollout_logprobs f32 [B,T]
   (needed by old_logprobs='rollout', mismatch metrics and corrections); ref_logprobs f32 [B,T]
-  (when loss.kl_coef > 0); routes int32 [B,T,L,k] (MoE; required by routing replay).
+  (when loss.kl_coef > 0); routes int32 [B,T,L,k] (MoE; required by routing replay);
+  kv_evict_at int32 [B,T] (KV-mask replay, parity policies; see ``rollout.trajectory``).
 
 Shape legend: B sequences, T tokens, L MoE layers, k experts per token, M minibatches,
 U micro-batches per minibatch.
@@ -102,6 +103,13 @@ def prepare_batch(batch: dict, rl_cfg: RLConfig, model: Transformer) -> dict[str
         data["routes" if rl_cfg.use_routing_replay else "rollout_routes"] = routes
     elif rl_cfg.use_routing_replay:
         raise ValueError("use_routing_replay=True needs an MoE model and batch['routes']")
+    if rl_cfg.use_kv_mask_replay:
+        if batch.get("kv_evict_at") is None:
+            raise ValueError("use_kv_mask_replay=True needs batch['kv_evict_at']")
+        evict = jnp.asarray(batch["kv_evict_at"], jnp.int32)
+        if tuple(evict.shape) != shape:
+            raise ValueError(f"batch['kv_evict_at'] must have shape {shape}, got {evict.shape}")
+        data["evict_at"] = evict
     return data
 
 
@@ -181,6 +189,7 @@ def make_grad_fn(
             x["tokens"],
             valid=x["valid"],
             replay_routes=x.get("routes"),
+            evict_at=x.get("evict_at"),
             chunk_spec=spec,
         )
         loss, metrics = policy_loss(
@@ -287,15 +296,16 @@ def make_update_fn(
     ``mismatch/*`` (see ``rl.mismatch``) when rollout logprobs are given.
 
     Raises:
-      ValueError: unsupported options (KV-mask replay, routing replay without MoE, parity
-        policy without ``sampling_meta``); at trace time, batch fields or sizes that do not fit.
+      ValueError: unsupported options (KV-mask replay without a parity policy, routing replay
+        without MoE, parity policy without ``sampling_meta``); at trace time, batch fields or
+        sizes that do not fit.
     """
     model = with_policy(model, policy)
     spec = as_chunk_spec(sampling_meta)
-    if rl_cfg.use_kv_mask_replay:
+    if rl_cfg.use_kv_mask_replay and not model.policy.parity:
         raise ValueError(
-            "RLConfig.use_kv_mask_replay=True is not supported yet: the model's teacher-forced "
-            "path has no per-query KV keep mask"
+            "RLConfig.use_kv_mask_replay=True needs a parity policy (the chunked path replays "
+            f"evictions), got {model.policy.name!r}"
         )
     if rl_cfg.use_routing_replay and not model.cfg.is_moe:
         raise ValueError("RLConfig.use_routing_replay=True needs an MoE model (n_experts > 0)")

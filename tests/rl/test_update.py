@@ -7,18 +7,15 @@ import numpy as np
 import pytest
 
 from agentrl_jax.model.config import ModelConfig
-from agentrl_jax.model.transformer import (
-    Transformer,
-    forward_chunked,
-    init_params,
-    token_logprobs,
-)
+from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rl.fallback import FallbackController
-from agentrl_jax.rl.logprobs import ChunkSpec, sequence_logprobs
+from agentrl_jax.rl.logprobs import sequence_logprobs
 from agentrl_jax.rl.losses import LossConfig, aggregate, policy_loss
 from agentrl_jax.rl.state import RLConfig, init_train_state
 from agentrl_jax.rl.update import _micro_weights, make_grad_fn, make_update_fn, prepare_batch
+from agentrl_jax.rollout.parity import sequence_logprobs as rollout_logprobs
+from agentrl_jax.rollout.sampler import SamplingConfig
 
 B, T = 4, 16
 CFG = ModelConfig(
@@ -200,25 +197,43 @@ def test_micro_batch_accumulation_equals_full_batch_gradient(setup):
     np.testing.assert_allclose(flat, flat_ref, rtol=1e-4, atol=1e-6 * np.abs(flat_ref).max())
 
 
-def test_parity_policy_recompute_equals_forward_chunked(setup):
+def test_parity_recompute_is_bitwise_the_rollout_recompute(setup):
+    """fp32-parity: sequence_logprobs == forward_chunked-style rollout recompute, bit for bit,
+    with routing replay and recorded KV evictions."""
     model, params, batch, logp_fn = setup
     pol = get_policy("fp32-parity")
-    spec = ChunkSpec(chunk=4, page_size=8, max_len=24)
+    sc = SamplingConfig(chunk=4, page_size=8, max_len=24)
+    rng = np.random.default_rng(11)
+    evict = np.where(rng.random((B, T)) < 0.3, rng.integers(8, 20, (B, T)), np.iinfo(np.int32).max)
+    evict = evict.astype(np.int32)
+    toks, routes = jnp.asarray(batch["tokens"]), jnp.asarray(batch["routes"])
 
-    def both(p, t):
-        mine = sequence_logprobs(model, p, t, pol, chunk_spec=spec, with_entropy=False)[0]
-        chunked, _ = forward_chunked(
-            model.clone(policy=pol), p, t, chunk=4, page_size=8, max_len=24
+    def both(p, ev):
+        mine = sequence_logprobs(
+            model,
+            p,
+            toks,
+            pol,
+            chunk_spec=sc,
+            replay_routes=routes,
+            evict_at=ev,
+            with_entropy=False,
+        )[0]
+        theirs, _ = rollout_logprobs(
+            model.clone(policy=pol), p, toks, sc, evict_at=ev, replay_routes=routes
         )
-        return mine, token_logprobs(chunked[:, :-1], t[:, 1:])
+        free = sequence_logprobs(model, p, toks, pol, chunk_spec=sc, with_entropy=False)[0]
+        return mine, theirs[:, 1:], free
 
-    toks = jnp.asarray(batch["tokens"])
-    got, want = jax.jit(both)(params, toks)
+    got, want, free = jax.jit(both)(params, jnp.asarray(evict))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    # and it is the same distribution as the (non-parity) full-sequence pass, up to rounding
-    np.testing.assert_allclose(np.asarray(got), np.asarray(logp_fn(params, toks)[0]), atol=1e-4)
+    assert np.abs(np.asarray(got) - np.asarray(free)).max() > 1e-3  # evictions are applied
+    # without evictions: the same distribution as the full-sequence pass, up to rounding
+    np.testing.assert_allclose(np.asarray(free), np.asarray(logp_fn(params, toks)[0]), atol=1e-4)
     with pytest.raises(ValueError, match="chunk_spec"):
         sequence_logprobs(model, params, toks, pol)
+    with pytest.raises(ValueError, match="evict_at"):
+        sequence_logprobs(model, params, toks, evict_at=jnp.asarray(evict))
 
 
 def test_fallback_controller_switches_after_n_and_back():
@@ -259,7 +274,7 @@ def test_config_and_input_validation(setup):
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RLConfig(**bad)
-    with pytest.raises(ValueError, match="use_kv_mask_replay"):
+    with pytest.raises(ValueError, match="use_kv_mask_replay=True needs a parity policy"):
         make_update_fn(model, RLConfig(use_kv_mask_replay=True))
     with pytest.raises(ValueError, match="sampling_meta"):
         make_update_fn(model, RLConfig(), get_policy("fp32-parity"))
