@@ -6,7 +6,18 @@ difficulty-filtered tasks, held-out evaluation before and after RL.
 Variants: ``experiments/default.py:smoke=True`` (seconds, for tests).
 """
 
+import dataclasses
+
+import ml_collections
+
 from agentrl_jax.config import base_config, parse_arg
+
+
+def _section(cfg, name, cls):
+    """``cfg[name]`` as registered by the lead, or created from ``cls`` defaults if missing."""
+    if name not in cfg:
+        cfg[name] = ml_collections.ConfigDict(dataclasses.asdict(cls()))
+    return cfg[name]
 
 
 def get_config(arg=None):
@@ -16,10 +27,13 @@ def get_config(arg=None):
     cfg.smoke = arg.smoke
     cfg.policy = "bf16"
     m = cfg.model
+    # Sized for optimiser steps on a 2-core CPU (the SFT stage has ~15 minutes): 2 dense layers
+    # of width 128 (0.4M params) at <= 384 tokens per episode; ~1.5 CPU-s per step at batch 16.
+    # Hybrid patterns ("SSSF", "SF") and depth are for accelerators: --set model.layer_pattern.
     m.vocab_size = 512  # >= the code-repair tokenizer's vocabulary
     m.d_model = 128
-    m.n_layers = 4
-    m.layer_pattern = "SSSF"
+    m.n_layers = 2
+    m.layer_pattern = "DD"
     m.n_heads = 4
     m.n_kv_heads = 2
     m.head_dim = 32
@@ -27,14 +41,46 @@ def get_config(arg=None):
     m.sparse_block_size = 16
     m.sparse_topk_tokens = 256
     m.d_ff = 384
+
+    from agentrl_jax.train.evaluate import EvalConfig
+    from agentrl_jax.train.sft import SFTConfig
+
+    sft = _section(cfg, "sft", SFTConfig)
+    sft.steps = 800
+    sft.batch_size = 16
+    sft.lr = 3e-3
+    sft.warmup_steps = 40
+    sft.lm_weight = 0.5  # LM loss on program/observation tokens: copy skill, code prior
+    sft.detour_prob = 0.1
+    sft.difficulties = (1,)  # medium
+    sft.curriculum_difficulties = (0,)  # easy first
+    sft.curriculum_fraction = 0.2
+    sft.buckets = (320, 384)
+    ev = _section(cfg, "eval", EvalConfig)
+    ev.split = "heldout"
+    ev.difficulty = 1
+    ev.n_episodes = 64
     if arg.smoke:
         cfg.policy = "fp32"
         m.d_model = 32
-        m.n_layers = 4
+        m.n_layers = 2
         m.n_heads = 2
         m.n_kv_heads = 1
         m.head_dim = 16
         m.d_ff = 64
         m.window = 32
         m.sparse_topk_tokens = 32
+        sft.steps = 4
+        sft.batch_size = 2
+        sft.warmup_steps = 1
+        sft.log_every = 2
+        sft.difficulties = (0,)
+        sft.curriculum_difficulties = ()
+        sft.curriculum_fraction = 0.0
+        sft.buckets = (320, 384)
+        ev.difficulty = 0
+        ev.n_episodes = 2
+        ev.max_len = 384
+        ev.max_new_tokens = 16
+        ev.n_slots = 2
     return cfg
