@@ -107,11 +107,18 @@ def sparse_coverage(
 
 
 def masked_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, policy: DTypePolicy
-) -> jax.Array:
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    policy: DTypePolicy,
+    *,
+    return_probs: bool = False,
+):
     """Dense attention with an explicit mask; a row with no visible key returns zeros.
 
-    q [B,C,N,H]; k, v [B,S,K,H]; mask bool [B,C,K,S] (shared by a KV group) -> [B,C,N,H].
+    q [B,C,N,H]; k, v [B,S,K,H]; mask bool [B,C,K,S] (shared by a KV group) -> [B,C,N,H];
+    with ``return_probs`` also the probabilities [B,C,K,G,S] (attention dtype).
     """
     b, c, n_q, h = q.shape
     n_kv = k.shape[2]
@@ -135,7 +142,8 @@ def masked_attention(
         v.astype(policy.compute),
         preferred_element_type=policy.accum,
     )
-    return out.reshape(b, c, n_q, h).astype(policy.compute)
+    out = out.reshape(b, c, n_q, h).astype(policy.compute)
+    return (out, p) if return_probs else out
 
 
 def ring_positions(lengths: jax.Array, window: int) -> jax.Array:
@@ -334,5 +342,12 @@ class Attention(nn.Module):
             kblock = kpos // cfg.sparse_block_size
             sel = jnp.any(idx[..., None] == kblock, axis=-2)  # [B, C, K, S]
             mask = mask & sel
-        out = masked_attention(q, keys, vals, mask, pol)
-        return out, {"k": pool_k, "v": pool_v}
+        if "mass" not in cache:
+            out = masked_attention(q, keys, vals, mask, pol)
+            return out, {"k": pool_k, "v": pool_v}
+        # rollout KV eviction: accumulate the attention mass each cached position receives
+        # from valid queries (mean over heads); same numbers as without it
+        out, p = masked_attention(q, keys, vals, mask, pol, return_probs=True)
+        w = valid.astype(jnp.float32)[:, :, None, None, None]
+        got = jnp.sum(p.astype(jnp.float32) * w, axis=(1, 2, 3)) / (p.shape[2] * p.shape[3])
+        return out, {"k": pool_k, "v": pool_v, "mass": cache["mass"] + got}

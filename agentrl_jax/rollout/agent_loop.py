@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from agentrl_jax.envs.base import Env, Tokenizer
@@ -58,6 +59,7 @@ class _Slot:
     turn_toks: list[int] = dataclasses.field(default_factory=list)
     turn_lp: list[float] = dataclasses.field(default_factory=list)
     generating: bool = False
+    blocks: list = dataclasses.field(default_factory=list)  # [lo, hi, evicted_at or False]
 
     @property
     def stream_len(self) -> int:
@@ -159,7 +161,12 @@ def run_episodes(
     if pool is not None:
         state = sampler.reset_slots(state, np.zeros(n_slots, bool), pool.tables)
         pool.dirty = False
-    del eviction  # eviction decisions: see kv_cache.EvictionConfig (not applied in this loop)
+    evicting = eviction is not None and eviction.threshold > 0
+    if eviction is not None and eviction.int8:
+        raise ValueError("EvictionConfig.int8=True is not implemented yet (use eviction)")
+    never = np.iinfo(np.int32).max
+    evict_np = np.full((n_slots, cfg.max_len), never, np.int32)  # host mirror of evict_at
+    dirty = {"evict": False, "mass": None}
 
     records: list[EpisodeRecord | None] = [None] * len(tasks)
     slots: list[_Slot | None] = [None] * n_slots
@@ -187,6 +194,33 @@ def run_episodes(
     def youngest(exclude: int | None = None) -> int | None:
         cands = [i for i, sl in enumerate(slots) if sl is not None and i != exclude]
         return max(cands, key=lambda i: slots[i].admitted) if cands else None
+
+    def evict_blocks(s: int) -> None:
+        """Evicts finished observation blocks of slot ``s`` that later tokens barely attend."""
+        slot = slots[s]
+        n = len(slot.rec.tokens)  # everything so far is cached
+        if dirty["mass"] is None:
+            dirty["mass"] = np.asarray(sampler.attention_mass(state))
+        mass = dirty["mass"][s]
+        c = sampler.prefill_rows
+        at = -(-n // c) * c  # first chunk-aligned position: takes effect there
+        for block in slot.blocks:
+            lo, hi, done = block
+            if done:
+                if block[2] <= n and pool is not None:  # now invisible: free whole pages
+                    ps = cfg.page_size
+                    pool.release_pages(s, range(-(-lo // ps), hi // ps))
+                continue
+            if hi - lo < eviction.min_block or n <= hi:
+                continue
+            share = float(mass[lo:hi].sum()) / (sampler.n_paged_layers * (n - hi))
+            if share < eviction.threshold:
+                block[2] = at
+                evict_np[s, lo:hi] = at
+                for pos in range(lo, hi):
+                    slot.rec.evict_at[pos] = at
+                stats.evicted_tokens += hi - lo
+                dirty["evict"] = True
 
     def end_turn(s: int) -> None:
         slot = slots[s]
@@ -226,7 +260,11 @@ def run_episodes(
                 goal_reinjected=bool(extra),
             )
         )
+        if evicting and not res.done:
+            evict_blocks(s)
+        lo = len(rec.tokens)
         rec.extend(new[:room], action=False, turn=slot.turn)
+        slot.blocks.append([lo, len(rec.tokens), False])
         if res.done:
             rec.done = True
             rec.outcome = float(res.outcome_reward)
@@ -265,6 +303,10 @@ def run_episodes(
                 slot = item
                 slot.admitted = admitted
                 slot.cached = 0
+                evict_np[s] = never
+                for pos, at in slot.rec.evict_at.items():
+                    evict_np[s, pos] = at
+                dirty["evict"] = dirty["evict"] or bool(slot.rec.evict_at)
                 admitted += 1
                 slots[s] = slot
                 reset[s] = True
@@ -296,6 +338,9 @@ def run_episodes(
             if pool is not None and pool.dirty:
                 state = sampler.reset_slots(state, np.zeros(n_slots, bool), pool.tables.copy())
                 pool.dirty = False
+            if dirty["evict"]:
+                state = state._replace(evict_at=jnp.asarray(evict_np))
+                dirty["evict"] = False
             width = sampler.prefill_width(n_new.max())
             toks = np.zeros((n_slots, width), np.int32)
             for s in np.nonzero(n_new)[0]:
@@ -332,7 +377,7 @@ def run_episodes(
             while pool is not None and budget[s] > 0:
                 if pool.ensure(s, sl.stream_len + budget[s]):
                     break
-                room = (pool.owned(s) + len(pool.free)) * cfg.page_size - sl.stream_len
+                room = pool.room(s, sl.stream_len)
                 if room > 0:
                     pool.ensure(s, sl.stream_len + room)
                     budget[s] = room
@@ -349,10 +394,14 @@ def run_episodes(
                 state = sampler.reset_slots(state, np.zeros(n_slots, bool), pool.tables.copy())
                 pool.dirty = False
             stats.max_pages_in_use = max(stats.max_pages_in_use, pool.in_use)
+        if dirty["evict"]:
+            state = state._replace(evict_at=jnp.asarray(evict_np))
+            dirty["evict"] = False
         uids = np.asarray([sl.rec.uid if sl is not None else 0 for sl in slots], np.int32)
         stop_after = 1 if continuous else int(active.sum())
         state, out = sampler.decode(params, state, rng, uids, active, budget, np.int32(stop_after))
         out = jax.device_get(out)
+        dirty["mass"] = None
         stats.decode_calls += 1
         stats.decode_tokens += int(out.n_new.sum())
         for s in np.nonzero(active)[0]:
@@ -381,7 +430,9 @@ def run_episodes(
     c = cfg.chunk
     longest = max(len(r.tokens) for r in done_records)
     pad_to = min(-(-longest // c) * c, max(cfg.max_len, longest))
-    traj = stack_episodes(done_records, pad_to=pad_to, route_shape=route_shape, logs=logs)
+    traj = stack_episodes(
+        done_records, pad_to=pad_to, route_shape=route_shape, kv_masks=evicting, logs=logs
+    )
     if log_path is not None:
         write_jsonl(traj, log_path)
     return traj

@@ -81,11 +81,19 @@ class PagePool:
         self.max_pages = -(-max_len // page_size)
         self.tables = np.full((slots, self.max_pages), -1, np.int32)
         self.free = list(range(usable - 1, -1, -1))  # pop() hands out low ids first
+        self.holes = [set() for _ in range(slots)]  # evicted block-table entries (stay empty)
         self.dirty = True
 
     def owned(self, slot: int) -> int:
-        """Number of pages held by ``slot`` (a prefix of its block table)."""
+        """Number of pages held by ``slot``."""
         return int(np.sum(self.tables[slot] >= 0))
+
+    def _missing(self, slot: int, n_tokens: int) -> list[int]:
+        return [
+            j
+            for j in range(self.pages_for(n_tokens))
+            if self.tables[slot, j] < 0 and j not in self.holes[slot]
+        ]
 
     @property
     def in_use(self) -> int:
@@ -95,18 +103,24 @@ class PagePool:
         return -(-n_tokens // self.page_size)
 
     def can_hold(self, slot: int, n_tokens: int) -> bool:
-        need = self.pages_for(n_tokens) - self.owned(slot)
-        return need <= len(self.free) and self.pages_for(n_tokens) <= self.max_pages
+        if self.pages_for(n_tokens) > self.max_pages:
+            return False
+        return len(self._missing(slot, n_tokens)) <= len(self.free)
 
     def ensure(self, slot: int, n_tokens: int) -> bool:
         """Gives ``slot`` pages for ``n_tokens`` tokens; False (nothing changed) if short."""
         if not self.can_hold(slot, n_tokens):
             return False
-        have = self.owned(slot)
-        for j in range(have, self.pages_for(n_tokens)):
+        for j in self._missing(slot, n_tokens):
             self.tables[slot, j] = self.free.pop()
             self.dirty = True
         return True
+
+    def room(self, slot: int, n_tokens: int) -> int:
+        """Tokens ``slot`` (holding ``n_tokens``) could add: its last page's slack plus every
+        free page."""
+        slack = self.pages_for(n_tokens) * self.page_size - n_tokens
+        return slack + len(self.free) * self.page_size
 
     def trim(self, slot: int, n_tokens: int) -> None:
         """Returns the pages of ``slot`` beyond the first ``n_tokens`` tokens."""
@@ -118,8 +132,9 @@ class PagePool:
                 self.dirty = True
 
     def release(self, slot: int) -> None:
-        """Frees every page of ``slot``."""
+        """Frees every page of ``slot`` (and forgets its evicted entries)."""
         self.trim(slot, 0)
+        self.holes[slot].clear()
 
     def release_pages(self, slot: int, page_indices) -> int:
         """Frees the given block-table entries of ``slot`` (evicted pages); returns how many.
@@ -128,6 +143,7 @@ class PagePool:
         """
         n = 0
         for j in page_indices:
+            self.holes[slot].add(int(j))
             if self.tables[slot, j] >= 0:
                 self.free.append(int(self.tables[slot, j]))
                 self.tables[slot, j] = -1

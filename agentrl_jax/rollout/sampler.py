@@ -222,11 +222,22 @@ class Sampler:
         """Empty state of ``batch`` slots (shared pool of ``n_pages`` pages if given)."""
         spec = CacheSpec(batch, self.cfg.max_len, self.cfg.page_size, n_pages)
         cache = init_cache(self.model.cfg, self.model.policy, spec)
+        layers = {}
+        for name, layer in cache["layers"].items():
+            if layer["k"].ndim == 5 and self.model.cfg.layer_pattern[int(name[6:])] != "S":
+                layer = {**layer, "mass": jnp.zeros((layer["k"].shape[0], batch, spec.max_len))}
+            layers[name] = layer
+        cache["layers"] = layers
         return DecodeState(
             cache=cache,
             logits=jnp.zeros((batch, self.model.cfg.vocab_size), jnp.float32),
             evict_at=jnp.full((batch, self.cfg.max_len), _NEVER, jnp.int32),
         )
+
+    @property
+    def n_paged_layers(self) -> int:
+        counts = self.model.cfg.layer_counts()
+        return counts["F"] + counts["D"]
 
     def reset_slots(self, state: DecodeState, mask, block_tables=None) -> DecodeState:
         """Empties the slots where ``mask`` (bool [B]) is set; optionally new block tables.
@@ -238,8 +249,26 @@ class Sampler:
         cache["lengths"] = jnp.where(mask, 0, cache["lengths"])
         if block_tables is not None:
             cache["block_tables"] = jnp.asarray(block_tables, jnp.int32)
+        cache["layers"] = {
+            name: (
+                {**layer, "mass": jnp.where(mask[None, :, None], 0.0, layer["mass"])}
+                if "mass" in layer
+                else layer
+            )
+            for name, layer in cache["layers"].items()
+        }
         evict = jnp.where(mask[:, None], _NEVER, state.evict_at)
         return DecodeState(cache, state.logits, evict)
+
+    @staticmethod
+    def attention_mass(state: DecodeState) -> jax.Array:
+        """float32 [B, S]: attention each cached position got, summed over queries and F/D
+        layers (mean over heads), since the slot was reset."""
+        total = 0.0
+        for layer in state.cache["layers"].values():
+            if "mass" in layer:
+                total = total + jnp.sum(layer["mass"], axis=0)
+        return jnp.asarray(total)
 
     # Prefill --------------------------------------------------------------------------------
     def _prefill(self, params, state: DecodeState, tokens, n_new):
@@ -295,9 +324,9 @@ class Sampler:
     def prefill_width(self, n_max: int) -> int:
         """Token-array width for a prefill of at most ``n_max`` new tokens per slot.
 
-        Widths are bucketed to powers of two (at least 64) so few shapes are ever compiled.
+        Widths are powers of two, at least ``min(128, max_len)``, so few shapes are compiled.
         """
-        return max(64, 1 << max(0, int(n_max) - 1).bit_length())
+        return max(min(128, self.cfg.max_len), 1 << max(0, int(n_max) - 1).bit_length())
 
     # Decode ---------------------------------------------------------------------------------
     def _decode(self, params, state: DecodeState, rng, uids, active, budget, stop_after):
