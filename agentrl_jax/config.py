@@ -32,8 +32,14 @@ def _section(cls) -> ConfigDict:
 
 def base_config() -> ConfigDict:
     """The one base config holding every default of a run. Experiments modify a copy."""
+    from agentrl_jax.data.pipeline import DataConfig
     from agentrl_jax.model.config import ModelConfig
+    from agentrl_jax.rl.state import RLConfig
+    from agentrl_jax.rollout.sampler import SamplingConfig
     from agentrl_jax.sharding import MeshConfig
+    from agentrl_jax.train.evaluate import EvalConfig
+    from agentrl_jax.train.rl_loop import LoopConfig
+    from agentrl_jax.train.sft import SFTConfig
 
     cfg = ConfigDict()
     cfg.name = "experiment"
@@ -43,6 +49,12 @@ def base_config() -> ConfigDict:
     cfg.policy = "fp32"  # agentrl_jax.precision preset name
     cfg.model = _section(ModelConfig)
     cfg.mesh = _section(MeshConfig)
+    cfg.sft = _section(SFTConfig)  # supervised warm start
+    cfg.eval = _section(EvalConfig)  # held-out evaluation
+    cfg.data = _section(DataConfig)  # task pipeline: difficulty band, diversity
+    cfg.rollout = _section(SamplingConfig)  # sampler and KV-cache shape
+    cfg.rl = _section(RLConfig)  # optimiser, PPO, losses, corrections, fallback
+    cfg.train = _section(LoopConfig)  # the RL loop
     for name, factory in _EXTRA_SECTIONS.items():
         cfg[name] = _section(factory())
     return cfg

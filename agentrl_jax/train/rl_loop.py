@@ -1,0 +1,453 @@
+"""The main job: SFT warm start -> difficulty-filtered tasks -> rollouts -> credit assignment ->
+one jitted update -> periodic held-out evaluation -> orbax checkpoints.
+
+``agentrl train experiments/default.py`` (``make train``) runs :func:`run` and ends with one JSON
+summary line (``heldout_success_before_rl``, ``heldout_success_after_rl``,
+``goal_adherence_after_rl``, ``entropy_start``, ``entropy_end``, ``nonfinite_steps``, ``wall_s``,
+``run_dir``). ``agentrl train SPEC --resume RUN_DIR`` continues a run from its latest RL
+checkpoint: params, optimiser state, PRNG key, step, the task pipeline's iterator and
+difficulty estimates, and the precision-fallback state are all restored, so the resumed run
+computes the same parameters as an uninterrupted one.
+
+Every RL step ``s`` is a pure function of the checkpointed state: rollout keys are
+``fold_in(key(seed), s)`` and the update key is ``state.rng`` folded with ``s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentrl_jax.config import ConfigDict, load_config, to_dataclass
+from agentrl_jax.metrics import (
+    MetricsWriter,
+    ProgressBar,
+    load_config_json,
+    make_run_dir,
+    memory_metrics,
+    save_config,
+)
+from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.transformer import Transformer, init_params
+from agentrl_jax.precision import get_policy
+from agentrl_jax.rl.advantages import CreditInputs, get_advantage
+from agentrl_jax.rl.fallback import FallbackController
+from agentrl_jax.rl.state import RLConfig, init_train_state
+from agentrl_jax.rl.update import make_update_fn
+from agentrl_jax.train.checkpoint import Checkpointer, stage_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """The RL loop (config section ``train``).
+
+    Attributes:
+      rl_steps: update steps.
+      sft: run the SFT stage first (else start from ``init_from`` or a fresh init).
+      init_from: run dir or checkpoint dir whose SFT params start RL ('' = none).
+      advantage: registered advantage estimator (``agentrl_jax.rl.advantages``).
+      advantage_kwargs: its hyperparameters.
+      max_turns: model turns per episode.
+      eval_every: held-out evaluation every N steps (0: only before and after RL).
+      ckpt_every: RL checkpoint every N steps (and at the end).
+      log_tool_calls: append every tool call of every rollout to ``tool_calls.jsonl``.
+      eval_before: evaluate the SFT checkpoint on the held-out split before RL.
+    """
+
+    rl_steps: int = 40
+    sft: bool = True
+    init_from: str = ""
+    advantage: str = "grpo"
+    advantage_kwargs: dict = dataclasses.field(default_factory=dict)
+    max_turns: int = 8
+    eval_every: int = 0
+    ckpt_every: int = 10
+    log_tool_calls: bool = True
+    eval_before: bool = True
+
+    def __post_init__(self):
+        for name in ("rl_steps", "max_turns", "eval_every", "ckpt_every"):
+            if getattr(self, name) < (1 if name in ("max_turns", "ckpt_every") else 0):
+                raise ValueError(f"LoopConfig.{name}={getattr(self, name)} is out of range")
+        get_advantage(self.advantage)  # ValueError lists the registered names
+
+
+# -- trajectories ------------------------------------------------------------------------------
+
+
+def _rows(traj, idx: np.ndarray) -> dict[str, np.ndarray]:
+    out = {}
+    for f in dataclasses.fields(traj):
+        v = getattr(traj, f.name)
+        if f.name != "logs" and v is not None:
+            out[f.name] = np.asarray(v)[idx]
+    return out
+
+
+def _concat(parts: list[dict[str, np.ndarray]], length: int) -> dict[str, np.ndarray]:
+    """Concatenates row dicts along the batch, padding time to ``length``."""
+    out = {}
+    for key in parts[0]:
+        arrs = []
+        for p in parts:
+            a = p[key]
+            if a.ndim >= 2:
+                pad_value = (
+                    -1
+                    if key == "turn_ids"
+                    else (
+                        np.iinfo(np.int32).max
+                        if key.startswith("kv_") and a.dtype == np.int32
+                        else 0
+                    )
+                )
+                a = np.pad(
+                    a,
+                    [(0, 0), (0, length - a.shape[1])] + [(0, 0)] * (a.ndim - 2),
+                    constant_values=pad_value,
+                )
+            arrs.append(a)
+        out[key] = np.concatenate(arrs, axis=0)
+    return out
+
+
+# -- the loop ------------------------------------------------------------------------------------
+
+
+class RLRun:
+    """State of one RL run (host side); ``step()`` runs one iteration."""
+
+    def __init__(self, cfg: ConfigDict, run_dir: str, params, *, resume: bool):
+        from agentrl_jax.data.pipeline import DataConfig, TaskPipeline
+        from agentrl_jax.data.sources import make_task_factory
+        from agentrl_jax.envs.coderepair import CodeRepairEnv, CodeTokenizer, make_task
+        from agentrl_jax.rollout.sampler import SamplingConfig
+
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.loop = to_dataclass(cfg.train, LoopConfig)
+        self.rl_cfg = rl_config(cfg.rl)
+        self.data_cfg = to_dataclass(cfg.data, DataConfig)
+        self.sampling = to_dataclass(cfg.rollout, SamplingConfig)
+        self.model_cfg = to_dataclass(cfg.model, ModelConfig)
+        self.policy = get_policy(cfg.policy)
+        self.tokenizer = CodeTokenizer()
+        self.env_factory = lambda: CodeRepairEnv(self.tokenizer)
+        self.pipeline = TaskPipeline(
+            self.data_cfg, "train", task_factory=make_task_factory(make_task)
+        )
+        self.advantage_fn = jax.jit(
+            lambda inputs: get_advantage(self.loop.advantage)(inputs, **self.loop.advantage_kwargs)
+        )
+        self.batch_size = self.data_cfg.batch_size * self.data_cfg.group_size
+        self.controller = FallbackController(
+            lambda p: make_update_fn(Transformer(self.model_cfg, p), self.rl_cfg, p, self.sampling),
+            self.rl_cfg,
+            self.policy,
+        )
+        self.ckpt = Checkpointer(stage_dir(run_dir, "rl"), resume=resume, max_to_keep=2)
+        key = jax.random.key(cfg.seed)
+        self.rollout_key = jax.random.fold_in(key, 1)
+        self.state = init_train_state(
+            jax.tree.map(jnp.copy, params), self.rl_cfg, jax.random.fold_in(key, 2)
+        )
+        self.start_step = 0
+        if resume and self.ckpt.latest_step() is not None:
+            self._restore()
+
+    # checkpoints -------------------------------------------------------------------------------
+    def save(self, step: int) -> None:
+        s = self.state
+        meta = {
+            "data": self.pipeline.state(),
+            "nonfinite_count": int(s.nonfinite_count),
+            "consecutive_nonfinite": int(s.consecutive_nonfinite),
+            "train_step": int(s.step),
+            "fallback": {
+                "active": self.controller.active.name,
+                "consecutive": self.controller.consecutive,
+                "remaining": self.controller.remaining,
+                "calls": self.controller.calls,
+            },
+        }
+        self.ckpt.save(step, params=s.params, opt_state=s.opt_state, rng=s.rng, meta=meta)
+
+    def _restore(self) -> None:
+        out = self.ckpt.restore(params=self.state.params, opt_state=self.state.opt_state)
+        meta = out["meta"]
+        self.pipeline.restore(meta["data"])
+        i32 = lambda v: jnp.asarray(v, jnp.int32)
+        self.state = self.state._replace(
+            step=i32(meta["train_step"]),
+            params=out["params"],
+            opt_state=out["opt_state"],
+            rng=out["rng"],
+            nonfinite_count=i32(meta["nonfinite_count"]),
+            consecutive_nonfinite=i32(meta["consecutive_nonfinite"]),
+        )
+        fb = meta["fallback"]
+        c = self.controller
+        c.active = get_policy(fb["active"]) if fb["active"] != c.primary.name else c.primary
+        c.consecutive, c.remaining, c.calls = fb["consecutive"], fb["remaining"], fb["calls"]
+        self.start_step = out["step"]
+        log.info("resumed RL from step %d of %s", self.start_step, self.run_dir)
+
+    # one iteration -----------------------------------------------------------------------------
+    def _rollout(self, step: int, items: list[dict], round_index: int, store: list):
+        from agentrl_jax.rollout.agent_loop import run_episodes
+
+        g = self.data_cfg.group_size
+        tasks = [it["task"] for it in items for _ in range(g)]
+        model = Transformer(self.model_cfg, self.controller.active)
+        key = jax.random.fold_in(jax.random.fold_in(self.rollout_key, step), round_index)
+        log_path = (
+            os.path.join(self.run_dir, "tool_calls.jsonl") if self.loop.log_tool_calls else None
+        )
+        traj = run_episodes(
+            model,
+            self.state.params,
+            tasks,
+            self.env_factory,
+            self.tokenizer,
+            self.sampling,
+            key,
+            n_slots=min(len(tasks), self.batch_size),
+            max_turns=self.loop.max_turns,
+            group_ids=[i for i in range(len(items)) for _ in range(g)],
+            log_path=log_path,
+        )
+        groups = []
+        for i, item in enumerate(items):
+            idx = np.arange(i * g, (i + 1) * g)
+            rows = _rows(traj, idx)
+            store.append(rows)
+            groups.append(
+                {
+                    "rewards": [float(r) for r in rows["outcome_reward"]],
+                    "success": [bool(s) for s in rows["success"]],
+                    "rows": len(store) - 1,
+                }
+            )
+        return groups
+
+    def step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        store: list[dict] = []
+        rounds = [0]
+
+        def rollout_fn(items):
+            out = self._rollout(step, items, rounds[0], store)
+            rounds[0] += 1
+            return out
+
+        kept, data_metrics = self.pipeline.collect(rollout_fn)
+        used = [g["rows"] for g in kept]
+        # Keep the update's shape fixed: top up a short batch with all-equal groups (their
+        # group-baselined advantages are zero, so they add no gradient).
+        for i in range(len(store)):
+            if len(used) >= self.data_cfg.batch_size:
+                break
+            if i not in used:
+                used.append(i)
+        parts = [store[i] for i in used]
+        for j, p in enumerate(parts):
+            p["group_ids"] = np.full_like(p["group_ids"], j)
+        t_roll = time.perf_counter() - t0
+        batch = _concat(parts, self.sampling.max_len)
+        inputs = CreditInputs(
+            action_mask=jnp.asarray(batch["action_mask"]),
+            turn_ids=jnp.asarray(batch["turn_ids"]),
+            outcome_reward=jnp.asarray(batch["outcome_reward"]),
+            process_rewards=jnp.asarray(batch["process_rewards"]),
+            group_ids=jnp.asarray(batch["group_ids"]),
+        )
+        batch["advantages"] = np.asarray(self.advantage_fn(inputs))
+        update_batch = {
+            k: batch[k]
+            for k in (
+                "tokens",
+                "valid",
+                "action_mask",
+                "advantages",
+                "rollout_logprobs",
+                "routes",
+                "kv_evict_at",
+            )
+            if k in batch
+        }
+        t1 = time.perf_counter()
+        self.state, metrics = self.controller(self.state, update_batch, None)
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        t_upd = time.perf_counter() - t1
+        n_tokens = float(batch["valid"].sum())
+        all_rows = _concat(store, self.sampling.max_len)
+        metrics.update(data_metrics)
+        metrics.update(
+            {
+                "reward": float(np.mean(all_rows["outcome_reward"])),
+                "success": float(np.mean(all_rows["success"])),
+                "goal_adherence": float(np.mean(all_rows["goal_adhered"])),
+                "truncated": float(np.mean(all_rows["truncated"])),
+                "episode_tokens": float(all_rows["valid"].sum(1).mean()),
+                "rollout_s": t_roll,
+                "update_s": t_upd,
+                "rollout_tokens_per_s": float(all_rows["valid"].sum()) / max(t_roll, 1e-9),
+                "update_tokens_per_s": n_tokens / max(t_upd, 1e-9),
+                "kv_bytes_per_seq_peak": float(
+                    _kv_bytes(
+                        self.model_cfg, self.controller.active, all_rows, self.sampling.page_size
+                    )
+                ),
+            }
+        )
+        metrics.update({k: float(v) for k, v in memory_metrics().items() if v is not None})
+        return metrics
+
+
+def _kv_bytes(model_cfg: ModelConfig, policy, rows, page_size: int) -> int:
+    from agentrl_jax.rollout.kv_cache import kv_bytes_per_seq
+
+    return kv_bytes_per_seq(model_cfg, policy, int(rows["valid"].sum(1).max()), page_size)
+
+
+def rl_config(section) -> RLConfig:
+    """RLConfig from its config section (the nested ``loss`` becomes a ``LossConfig``)."""
+    from agentrl_jax.rl.losses import LossConfig
+
+    data = section.to_dict() if isinstance(section, ConfigDict) else dict(section)
+    data["loss"] = to_dataclass(data.get("loss", {}), LossConfig)
+    return to_dataclass(data, RLConfig)
+
+
+def _eval(model_cfg, policy, params, eval_section) -> dict[str, Any]:
+    from agentrl_jax.train.evaluate import EvalConfig, evaluate_split
+
+    ev = to_dataclass(eval_section, EvalConfig)
+    return evaluate_split(Transformer(model_cfg, policy), params, ev)
+
+
+def _mode(result: dict, key: str) -> float:
+    mode = (
+        "greedy" if "greedy" in result else next(k for k in result if isinstance(result[k], dict))
+    )
+    return float(result[mode][key])
+
+
+def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None = None) -> dict:
+    """Runs the main job; returns (and prints) the JSON summary."""
+    from agentrl_jax.train.sft import SFTConfig, run_sft
+
+    t_start = time.perf_counter()
+    if resume_dir:
+        run_dir = os.path.abspath(resume_dir)
+        if not os.path.isdir(run_dir):
+            raise ValueError(f"--resume {resume_dir!r} is not a run directory")
+    else:
+        run_dir = make_run_dir(cfg.workdir, cfg.name)
+        save_config(run_dir, cfg)
+    model_cfg = to_dataclass(cfg.model, ModelConfig)
+    policy = get_policy(cfg.policy)
+    loop = to_dataclass(cfg.train, LoopConfig)
+    writer = MetricsWriter(run_dir)
+    summary_path = os.path.join(run_dir, "summary.json")
+    prior = json.load(open(summary_path)) if resume_dir and os.path.exists(summary_path) else {}
+
+    # SFT warm start ------------------------------------------------------------------------
+    sft_cfg = to_dataclass(cfg.sft, SFTConfig)
+    sft_dir = stage_dir(run_dir, "sft")
+    if loop.sft:
+        done = resume_dir and os.path.isdir(sft_dir) and os.listdir(sft_dir)
+        params, _ = run_sft(
+            model_cfg, policy, sft_cfg, run_dir, resume=bool(done), writer=writer, progress=progress
+        )
+    elif loop.init_from:
+        from agentrl_jax.train.checkpoint import restore_params
+
+        template = init_params(Transformer(model_cfg, policy), jax.random.key(cfg.seed))
+        params, _ = restore_params(loop.init_from, template)
+    else:
+        params = init_params(Transformer(model_cfg, policy), jax.random.key(cfg.seed))
+
+    if loop.eval_before and "heldout_success_before_rl" not in prior:
+        before = _eval(model_cfg, policy, params, cfg.eval)
+        prior["heldout_success_before_rl"] = _mode(before, "success")
+        prior["goal_adherence_before_rl"] = _mode(before, "goal_adherence")
+        prior["eval_before"] = before
+        writer.write(0, {"heldout_success": prior["heldout_success_before_rl"]}, prefix="eval")
+        _dump(summary_path, prior)
+        log.info("held-out before RL: %s", json.dumps(before))
+
+    # RL --------------------------------------------------------------------------------------
+    rl = RLRun(cfg, run_dir, params, resume=bool(resume_dir))
+    bar = ProgressBar(total=loop.rl_steps, initial=rl.start_step, desc="rl", enabled=progress)
+    entropy = prior.get("entropies", [])
+    for step in range(rl.start_step, loop.rl_steps):
+        metrics = rl.step(step)
+        entropy.append(metrics.get("entropy", float("nan")))
+        writer.write(step + 1, metrics, prefix="rl")
+        bar.update(
+            1, reward=metrics["reward"], success=metrics["success"], ent=metrics.get("entropy", 0)
+        )
+        if loop.eval_every and (step + 1) % loop.eval_every == 0 and step + 1 < loop.rl_steps:
+            mid = _eval(model_cfg, policy, rl.state.params, cfg.eval)
+            writer.write(step + 1, {"heldout_success": _mode(mid, "success")}, prefix="eval")
+        if (step + 1) % loop.ckpt_every == 0 or step + 1 == loop.rl_steps:
+            rl.save(step + 1)
+            prior["entropies"] = entropy
+            _dump(summary_path, prior)
+    bar.close()
+    after = _eval(model_cfg, policy, rl.state.params, cfg.eval)
+    writer.write(loop.rl_steps, {"heldout_success": _mode(after, "success")}, prefix="eval")
+    writer.close()
+    finite = [e for e in entropy if np.isfinite(e)]
+    summary = {
+        "heldout_success_before_rl": prior.get("heldout_success_before_rl"),
+        "heldout_success_after_rl": _mode(after, "success"),
+        "goal_adherence_before_rl": prior.get("goal_adherence_before_rl"),
+        "goal_adherence_after_rl": _mode(after, "goal_adherence"),
+        "heldout_sampled_success_after_rl": after.get("sampled", {}).get("success"),
+        "entropy_start": finite[0] if finite else None,
+        "entropy_end": finite[-1] if finite else None,
+        "nonfinite_steps": int(rl.state.nonfinite_count),
+        "rl_steps": loop.rl_steps,
+        "wall_s": round(time.perf_counter() - t_start, 1),
+        "run_dir": run_dir,
+    }
+    prior.update(summary, eval_after=after)
+    _dump(summary_path, prior)
+    rl.ckpt.close()
+    return summary
+
+
+def _dump(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, default=float)
+    os.replace(tmp, path)
+
+
+def run_from_cli(args) -> int:
+    """``agentrl train SPEC [--set k=v ...] [--resume RUN_DIR]``."""
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
+    )
+    resume = getattr(args, "resume", None)
+    overrides = getattr(args, "set", None) or []
+    if resume and not args.spec:
+        cfg = ConfigDict(load_config_json(resume))
+    else:
+        cfg = load_config(args.spec, overrides)
+    summary = run(cfg, resume_dir=resume)
+    sys.stdout.write(json.dumps(summary) + "\n")
+    return 0
