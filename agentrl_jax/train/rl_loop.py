@@ -228,7 +228,7 @@ class RLRun:
             log_path=log_path,
         )
         groups = []
-        for i, item in enumerate(items):
+        for i in range(len(items)):
             idx = np.arange(i * g, (i + 1) * g)
             rows = _rows(traj, idx)
             store.append(rows)
