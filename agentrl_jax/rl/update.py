@@ -3,7 +3,9 @@
 One call = one update step:
   1. (pre-update pass, no gradient) teacher-forced logprobs of the batch with the current
      parameters: the PPO anchor ``logp_old`` when ``old_logprobs='recompute'`` and the source of
-     the rollout-vs-train mismatch metrics (``mismatch/*``, incl. MoE routing agreement);
+     the rollout-vs-train mismatch metrics (``mismatch/*``, incl. MoE routing agreement). With a
+     single update per step (1 epoch, 1 minibatch) this pass is fused into the gradient pass,
+     whose stop-gradient logprobs are then exactly the pre-update ones (ratio 1);
   2. ``ppo_epochs`` x ``n_minibatches`` optimiser updates as two nested ``lax.scan``s; the batch
      is permuted per epoch from ``fold_in(fold_in(rng, step), epoch)``;
   3. each minibatch gradient is accumulated over micro-batches with a ``lax.scan``; micro-batch
@@ -171,7 +173,11 @@ def make_grad_fn(
 ) -> Callable[[Any, dict], tuple[Any, dict[str, jax.Array]]]:
     """``grad_fn(params, minibatch) -> (grads, metrics)`` with micro-batch accumulation.
 
-    ``minibatch`` is a row subset of :func:`prepare_batch`'s output plus ``logp_old`` [b, T-1].
+    ``minibatch`` is a row subset of :func:`prepare_batch`'s output plus ``logp_old`` [b, T-1];
+    without ``logp_old`` the anchor is the gradient pass's own logprobs (stop-gradient: ratio 1),
+    which is the recomputed anchor whenever these are the pre-update parameters.
+    Returns ``(grads, metrics, aux)`` with aux ``logp`` [b, T-1] (no gradient) and, for MoE,
+    ``routes`` [b, T, L, k] of the gradient pass.
     The returned gradient is that of the minibatch objective
       policy_loss(minibatch) + moe_lb_coef * mean_u lb_u + moe_z_coef * mean_u z_u
     (equal to the unsplit gradient up to float rounding when the MoE terms are off or dropless
@@ -194,7 +200,7 @@ def make_grad_fn(
         )
         loss, metrics = policy_loss(
             logp,
-            x["logp_old"],
+            sg(logp) if x.get("logp_old") is None else x["logp_old"],
             x.get("logp_rollout"),
             x["adv"],
             x["mask"],
@@ -209,7 +215,10 @@ def make_grad_fn(
             metrics["moe_lb_loss"] = sg(lb)
             metrics["moe_z_loss"] = sg(z)
             metrics["moe_dropped_fraction"] = sg(extras["dropped_fraction"])
-        return total, metrics
+        aux = {"logp": sg(logp)}
+        if "routes" in extras:
+            aux["routes"] = extras["routes"]
+        return total, (metrics, aux)
 
     def grad_fn(params, mb):
         bm = mb["tokens"].shape[0]
@@ -223,17 +232,18 @@ def make_grad_fn(
 
         def body(acc, xs):
             x, w = xs
-            (_, metrics), g = vg(params, x, w, n_micro)
-            return jax.tree.map(jnp.add, acc, g), metrics
+            (_, (metrics, aux)), g = vg(params, x, w, n_micro)
+            return jax.tree.map(jnp.add, acc, g), (metrics, aux)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, stacked = jax.lax.scan(body, zeros, (micro, loss_w))
+        grads, (stacked, aux) = jax.lax.scan(body, zeros, (micro, loss_w))
+        aux = jax.tree.map(lambda a: a.reshape(bm, *a.shape[2:]), aux)
         metrics = _combine(stacked, loss_w, tok_w)
         if model.cfg.is_moe:
             metrics["loss"] = metrics["loss"] + (
                 lcfg.moe_lb_coef * metrics["moe_lb_loss"] + lcfg.moe_z_coef * metrics["moe_z_loss"]
             )
-        return grads, metrics
+        return grads, metrics, aux
 
     return grad_fn
 
@@ -320,32 +330,25 @@ def make_update_fn(
         bm = _check_divides(b, rl_cfg)
         key = jax.random.fold_in(_as_key(state.rng if rng is None else rng), state.step)
         metrics: dict[str, jax.Array] = {}
-        need_pre = rl_cfg.old_logprobs == "recompute" or (
-            rl_cfg.log_mismatch and "logp_rollout" in data
-        )
+        # One update per step: the gradient pass runs on the pre-update parameters, so its own
+        # (stop-gradient) logprobs are the recomputed anchor and the mismatch source: no extra
+        # forward pass.
+        single = rl_cfg.ppo_epochs == 1 and rl_cfg.n_minibatches == 1
+        fused = single and rl_cfg.old_logprobs == "recompute"
+        mismatch = rl_cfg.log_mismatch and "logp_rollout" in data
+        need_pre = not fused and (rl_cfg.old_logprobs == "recompute" or mismatch)
         if need_pre:
             logp_pre, _, routes_pre = _pre_update(model, rl_cfg, spec, state.params, data)
-        if rl_cfg.old_logprobs == "recompute":
-            data["logp_old"] = logp_pre
-        else:
+        if rl_cfg.old_logprobs == "rollout":
             data["logp_old"] = data["logp_rollout"]
-        if rl_cfg.log_mismatch and "logp_rollout" in data:
-            rollout_routes = data.get("routes", data.get("rollout_routes"))
-            with_routes = routes_pre is not None and rollout_routes is not None
-            mm = mismatch_metrics(
-                logp_pre,
-                data["logp_rollout"],
-                data["mask"],
-                routes_train=routes_pre[:, :-1] if with_routes else None,
-                routes_rollout=rollout_routes[:, :-1] if with_routes else None,
-            )
-            metrics |= {f"mismatch/{k}": v for k, v in mm.items()}
+        elif not fused:
+            data["logp_old"] = logp_pre
         rows = {k: v for k, v in data.items() if k != "rollout_routes"}
 
         def minibatch_step(carry, idx):
             params, opt_state = carry
             mb = jax.tree.map(lambda a: a[idx], rows)
-            grads, m = grad_fn(params, mb)
+            grads, m, aux = grad_fn(params, mb)
             gnorm = optax.global_norm(grads)
             updates, new_opt = tx.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
@@ -353,7 +356,7 @@ def make_update_fn(
             ok = ok & jnp.isfinite(optax.global_norm(updates))
             params = _tree_where(ok, new_params, params)
             opt_state = _tree_where(ok, new_opt, opt_state)
-            return (params, opt_state), (m | {"grad_norm": gnorm}, ok)
+            return (params, opt_state), (m | {"grad_norm": gnorm}, ok, aux if single else None)
 
         def epoch(carry, e):
             if rl_cfg.n_minibatches == 1:
@@ -362,9 +365,27 @@ def make_update_fn(
                 order = jax.random.permutation(jax.random.fold_in(key, e), b)
             return jax.lax.scan(minibatch_step, carry, order.reshape(rl_cfg.n_minibatches, bm))
 
-        (params, opt_state), (per_update, ok) = jax.lax.scan(
+        (params, opt_state), (per_update, ok, aux) = jax.lax.scan(
             epoch, (state.params, state.opt_state), jnp.arange(rl_cfg.ppo_epochs)
         )
+        if mismatch:
+            if need_pre:
+                logp_train, routes_train = logp_pre, routes_pre
+            else:  # the single update's gradient pass saw the pre-update parameters
+                logp_train = aux["logp"].reshape(b, -1)
+                routes_train = aux.get("routes")
+                if routes_train is not None:
+                    routes_train = routes_train.reshape(b, *routes_train.shape[3:])
+            rollout_routes = data.get("routes", data.get("rollout_routes"))
+            with_routes = routes_train is not None and rollout_routes is not None
+            mm = mismatch_metrics(
+                logp_train,
+                data["logp_rollout"],
+                data["mask"],
+                routes_train=routes_train[:, :-1] if with_routes else None,
+                routes_rollout=rollout_routes[:, :-1] if with_routes else None,
+            )
+            metrics |= {f"mismatch/{k}": v for k, v in mm.items()}
         ok = ok.reshape(-1)
         n_ok = jnp.sum(ok.astype(jnp.float32))
         for name, v in per_update.items():

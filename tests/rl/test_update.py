@@ -168,33 +168,41 @@ def test_micro_weights_decompose_every_aggregation(agg_mode):
 
 
 def test_micro_batch_accumulation_equals_full_batch_gradient(setup):
+    """Micro-batches of 1 == the full-batch objective's gradient; also for the fused anchor
+    (no logp_old: the gradient pass's own stop-gradient logprobs, ratio 1)."""
     model, params, batch, logp_fn = setup
     loss_cfg = LossConfig(agg_mode="seq-mean-token-mean", entropy_coef=0.01, clip_low=0.1)
     cfg = RLConfig(micro_batch=1, loss=loss_cfg, old_logprobs="rollout")
     rng = np.random.default_rng(3)
-    perturbed = dict(
-        batch,
-        rollout_logprobs=batch["rollout_logprobs"]
-        + 0.3 * rng.normal(size=(B, T)).astype(np.float32),
-    )  # so that some ratios are clipped
-    data = prepare_batch(perturbed, cfg, model)
+    noise = 0.3 * rng.normal(size=(B, T)).astype(np.float32)  # so that some ratios are clipped
+    data = prepare_batch(
+        dict(batch, rollout_logprobs=batch["rollout_logprobs"] + noise), cfg, model
+    )
     data["logp_old"] = data["logp_rollout"]
     data.pop("rollout_routes")
+    fused = {k: v for k, v in data.items() if k != "logp_old"}
 
-    def reference(p):  # straightforward full-batch objective
+    def reference(p, anchored):  # straightforward full-batch objective
         logp, ent, _ = sequence_logprobs(model, p, data["tokens"], valid=data["valid"])
-        loss, _ = policy_loss(
-            logp, data["logp_old"], None, data["adv"], data["mask"], loss_cfg, entropy=ent
-        )
+        old = data["logp_old"] if anchored else jax.lax.stop_gradient(logp)
+        loss, _ = policy_loss(logp, old, None, data["adv"], data["mask"], loss_cfg, entropy=ent)
         return loss
 
-    both = jax.jit(lambda p: (make_grad_fn(model, cfg)(p, data), jax.value_and_grad(reference)(p)))
-    (grads, metrics), (ref_loss, ref_grads) = both(params)
-    np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), rtol=1e-5, atol=1e-6)
+    def both(p):
+        grad_fn, ref = make_grad_fn(model, cfg), jax.value_and_grad(reference)
+        return grad_fn(p, data), ref(p, True), grad_fn(p, fused), ref(p, False)
+
+    out = jax.jit(both)(params)
+    (grads, metrics, aux), (ref_loss, ref_grads) = out[:2]
     assert 0.0 < float(metrics["clipped_frac"]) < 1.0
-    flat_ref = np.concatenate([np.ravel(g) for g in jax.tree.leaves(ref_grads)])
-    flat = np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
-    np.testing.assert_allclose(flat, flat_ref, rtol=1e-4, atol=1e-6 * np.abs(flat_ref).max())
+    real = np.asarray(batch["valid"][:, 1:])  # padding rows differ: they take no MoE expert
+    lp = np.asarray(logp_fn(params, data["tokens"])[0])
+    np.testing.assert_allclose(np.asarray(aux["logp"])[real], lp[real], atol=1e-5)
+    for (grads, metrics, _), (ref_loss, ref_grads) in (out[:2], out[2:]):
+        np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), rtol=1e-5, atol=1e-6)
+        flat_ref = np.concatenate([np.ravel(g) for g in jax.tree.leaves(ref_grads)])
+        flat = np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
+        np.testing.assert_allclose(flat, flat_ref, rtol=1e-4, atol=1e-6 * np.abs(flat_ref).max())
 
 
 def test_parity_recompute_is_bitwise_the_rollout_recompute(setup):

@@ -1,0 +1,198 @@
+"""RL update step and one full RL iteration on the tiny dense / MoE configs (one JSON line each).
+
+Configs (those of the rollout benchmark): 4 layers, d_model 256, 4 query heads and 2 KV heads of
+dim 64, vocab 1024, tied embeddings, fp32; dense FFN 768; MoE 8 experts top-2 of hidden 384 with
+capacity_factor 1.25 (each expert computes only the tokens routed to it, up to capacity);
+attention patterns 'DDDD' and 'SSSF'. Batch 8 x 192 tokens (64 prompt + 128 action tokens).
+
+Per line:
+  step_ms, step_ms_min, step_ms_max  one ``update_fn`` call (pre-update logprob recompute,
+                                     loss, gradients, AdamW), median of ``--reps`` warm calls
+  tokens_per_s                       8 * 192 / step time
+  compile_s                          lower + compile of ``update_fn``
+  rl_iteration_ms                    rollout of 8 episodes (64-token prompt prefill + 128 new
+                                     tokens with the jitted sampler, no early stop) + batch
+                                     assembly + update_fn (which recomputes the logprobs);
+                                     median of ``--iter-reps``; also rollout_ms and
+                                     rollout_compile_s
+Usage: python benchmarks/update.py [--reps 5] [--iter-reps 3] [--only dense-DDDD,moe-SSSF]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.transformer import Transformer, init_params
+from agentrl_jax.precision import get_policy
+from agentrl_jax.rl.state import RLConfig, init_train_state
+from agentrl_jax.rl.update import make_update_fn
+from agentrl_jax.rollout.sampler import SamplingConfig, get_sampler
+
+BATCH, PROMPT, NEW = 8, 64, 128
+BASE = dict(
+    vocab_size=1024,
+    d_model=256,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=64,
+    tie_embeddings=True,
+)
+DENSE = dict(d_ff=768)
+MOE = dict(n_experts=8, experts_per_token=2, d_expert=384, capacity_factor=1.25)
+
+
+def model_config(kind: str, pattern: str) -> ModelConfig:
+    return ModelConfig(layer_pattern=pattern, **BASE, **(MOE if kind == "moe" else DENSE))
+
+
+def make_batch(cfg: ModelConfig, rng: np.random.Generator, tokens=None, logp=None, routes=None):
+    t = PROMPT + NEW
+    if tokens is None:
+        tokens = rng.integers(0, cfg.vocab_size, (BATCH, t))
+    action = np.zeros((BATCH, t), bool)
+    action[:, PROMPT:] = True
+    if logp is None:
+        logp = np.where(action, -np.log(cfg.vocab_size) + 0.1 * rng.normal(size=(BATCH, t)), 0.0)
+    batch = {
+        "tokens": np.asarray(tokens, np.int32),
+        "valid": np.ones((BATCH, t), bool),
+        "action_mask": action,
+        "advantages": np.where(action, rng.normal(size=(BATCH, t)), 0.0).astype(np.float32),
+        "rollout_logprobs": np.asarray(logp, np.float32),
+    }
+    if cfg.is_moe:
+        if routes is None:
+            routes = rng.integers(0, cfg.n_experts, (BATCH, t, cfg.n_layers, 2))
+        batch["routes"] = np.asarray(routes, np.int32)
+    return batch
+
+
+def _timed(fn, reps):
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), min(times), max(times)
+
+
+def rollout(sampler, params, prompts, rng_key):
+    """Prefill 64-token prompts and decode 128 tokens for 8 slots -> numpy trajectory arrays."""
+    state = sampler.init_state(BATCH)
+    width = sampler.prefill_width(PROMPT)
+    toks = np.zeros((BATCH, width), np.int32)
+    toks[:, :PROMPT] = prompts
+    n_new = jnp.full((BATCH,), PROMPT, jnp.int32)
+    state, routes_p = sampler.prefill(params, state, jnp.asarray(toks), n_new)
+    uids = jnp.arange(BATCH, dtype=jnp.int32)
+    active = jnp.ones((BATCH,), bool)
+    budget = jnp.full((BATCH,), NEW, jnp.int32)
+    state, out = sampler.decode(params, state, rng_key, uids, active, budget, jnp.int32(BATCH))
+    tokens = np.concatenate([prompts, np.asarray(out.tokens)], axis=1)
+    logp = np.concatenate([np.zeros((BATCH, PROMPT), np.float32), np.asarray(out.logprobs)], 1)
+    routes = None
+    if out.routes is not None:
+        routes = np.concatenate([np.asarray(routes_p)[:, :PROMPT], np.asarray(out.routes)], 1)
+    return tokens, logp, routes
+
+
+def measure(kind: str, pattern: str, args) -> dict:
+    cfg = model_config(kind, pattern)
+    policy = get_policy("fp32")
+    model = Transformer(cfg, policy)
+    params = init_params(model, jax.random.key(0))
+    rl_cfg = RLConfig(lr=1e-5)
+    rng = np.random.default_rng(0)
+    batch = make_batch(cfg, rng)
+    update = make_update_fn(model, rl_cfg)
+    state = init_train_state(jax.tree.map(jnp.copy, params), rl_cfg, jax.random.key(1))
+    key = jax.random.key(2)
+
+    t0 = time.perf_counter()
+    compiled = update.lower(state, batch, key).compile()
+    compile_s = time.perf_counter() - t0
+    holder = {"state": state}
+
+    def step(b=batch):
+        holder["state"], m = compiled(holder["state"], b, key)
+        jax.block_until_ready(m["loss"])
+        return m
+
+    metrics = step()  # warm
+    step_ms, step_min, step_max = _timed(step, args.reps)
+    line = {
+        "bench": "update",
+        "variant": f"{kind}-{pattern}",
+        "model": kind,
+        "pattern": pattern,
+        "policy": policy.name,
+        "batch": BATCH,
+        "seq_len": PROMPT + NEW,
+        "step_ms": round(step_ms, 2),
+        "step_ms_min": round(step_min, 2),
+        "step_ms_max": round(step_max, 2),
+        "tokens_per_s": round(BATCH * (PROMPT + NEW) / (step_ms / 1e3), 1),
+        "compile_s": round(compile_s, 2),
+        "loss_finite": bool(np.isfinite(float(metrics["loss"]))),
+    }
+
+    if not args.no_iteration:
+        scfg = SamplingConfig(max_new_tokens=NEW, chunk=4, page_size=16, max_len=256)
+        sampler = get_sampler(model, scfg)
+        prompts = rng.integers(0, cfg.vocab_size, (BATCH, PROMPT)).astype(np.int32)
+        t0 = time.perf_counter()
+        rollout(sampler, params, prompts, jax.random.key(3))  # compile + warm
+        line["rollout_compile_s"] = round(time.perf_counter() - t0, 2)
+
+        def iteration():
+            toks, logp, routes = rollout(sampler, holder["state"].params, prompts, key)
+            step(make_batch(cfg, rng, toks, logp, routes))
+
+        def rollout_only():
+            rollout(sampler, holder["state"].params, prompts, key)
+
+        it_ms, it_min, it_max = _timed(iteration, args.iter_reps)
+        line["rollout_ms"] = round(_timed(rollout_only, args.iter_reps)[0], 2)
+        line |= {
+            "rl_iteration_ms": round(it_ms, 2),
+            "rl_iteration_ms_min": round(it_min, 2),
+            "rl_iteration_ms_max": round(it_max, 2),
+            "rollout_variant": "rollout.sampler prefill+decode (chunk 4), no early stop",
+        }
+    line |= {
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "jax_version": jax.__version__,
+    }
+    return line
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--iter-reps", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma list of kind-pattern, e.g. moe-SSSF")
+    parser.add_argument("--no-iteration", action="store_true", help="skip rl_iteration_ms")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    variants = [(k, p) for k in ("dense", "moe") for p in ("DDDD", "SSSF")]
+    if args.only:
+        keep = set(args.only.split(","))
+        variants = [(k, p) for k, p in variants if f"{k}-{p}" in keep]
+    for kind, pattern in variants:
+        print(json.dumps(measure(kind, pattern, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
