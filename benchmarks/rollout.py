@@ -1,0 +1,189 @@
+"""Rollout throughput: jitted prefill + while_loop decode vs a no-cache decoder (JSON lines).
+
+Per model (tiny dense / tiny MoE: 4 layers, d_model 256, 4 query heads, 2 KV heads of dim 64,
+vocab 1024, tied embeddings, fp32; dense FFN 768; MoE 8 experts top-2, hidden 384), layer pattern
+(``D`` all dense, ``SSSF`` hybrid) and batch: prompt 64, 128 new tokens without early stop,
+full-vocabulary sampling at temperature 1.
+
+Keys: tokens_per_s (prefill + decode), decode_tokens_per_s, prefill_ms, compile_s,
+nocache_tokens_per_s (full forward recomputed every step), speedup_vs_nocache,
+kv_bytes_per_seq and kv_bytes_ratio_vs_dense at 8k context, pool_waste_pages_per_seq (shared
+page pool after the run), policy, chunk, plus bench/variant/backend/devices/jax_version.
+
+Usage: python benchmarks/rollout.py [--batches 8,32] [--patterns D,SSSF] [--models dense,moe]
+       [--policy fp32] [--reps 3] [--no-nocache]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.transformer import Transformer, init_params
+from agentrl_jax.precision import get_policy
+from agentrl_jax.rollout.kv_cache import PagePool, dense_kv_bytes, kv_bytes_per_seq
+from agentrl_jax.rollout.sampler import Sampler, SamplingConfig, sample_tokens, token_keys
+
+PROMPT, NEW = 64, 128
+
+
+def model_cfg(kind: str, pattern: str) -> ModelConfig:
+    common = dict(
+        vocab_size=1024,
+        d_model=256,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=64,
+        layer_pattern=pattern,
+        window=64,
+        sparse_block_size=16,
+        sparse_topk_tokens=64,
+        tie_embeddings=True,
+    )
+    if kind == "moe":
+        return ModelConfig(**common, n_experts=8, experts_per_token=2, d_expert=384)
+    return ModelConfig(**common, d_ff=768)
+
+
+def timed(fn, reps):
+    out, times = None, []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return out, statistics.median(times), min(times), max(times)
+
+
+def nocache_fn(model, cfg: SamplingConfig, batch: int):
+    """Decoder without a cache: every step runs the full forward over the whole buffer."""
+    total = PROMPT + NEW
+
+    @jax.jit
+    def run(params, prompt, rng):
+        buf = jnp.zeros((batch, total), jnp.int32).at[:, :PROMPT].set(prompt)
+
+        def body(i, buf):
+            logits, _, _ = model.apply(params, buf)
+            p = PROMPT + i
+            lg = jax.lax.dynamic_index_in_dim(logits, p - 1, axis=1, keepdims=False)
+            keys = token_keys(rng, jnp.arange(batch), jnp.full((batch,), p))
+            tok, _ = sample_tokens(lg, keys, cfg)
+            return jax.lax.dynamic_update_index_in_dim(buf, tok[:, None], p, axis=1)
+
+        return jax.lax.fori_loop(0, NEW, body, buf)
+
+    return run
+
+
+def bench_one(kind, pattern, batch, args):
+    mcfg = model_cfg(kind, pattern)
+    policy = get_policy(args.policy)
+    model = Transformer(mcfg, policy)
+    params = init_params(model, jax.random.key(0))
+    chunk = 4 if policy.parity else args.chunk
+    cfg = SamplingConfig(
+        max_new_tokens=NEW,
+        max_len=PROMPT + NEW,
+        page_size=16,
+        chunk=chunk,
+        prefill_chunk=None if policy.parity else PROMPT,
+        stop_tokens=(),
+    )
+    sampler = Sampler(model, cfg)
+    rng = jax.random.key(1)
+    prompt = np.asarray(jax.random.randint(jax.random.key(2), (batch, PROMPT), 0, 1024))
+    n_new = np.full((batch,), PROMPT, np.int32)
+    width = sampler.prefill_width(PROMPT)
+    toks = np.zeros((batch, width), np.int32)
+    toks[:, :PROMPT] = prompt
+    uids = np.arange(batch, dtype=np.int32)
+    active = np.ones(batch, bool)
+    budget = np.full((batch,), NEW, np.int32)
+
+    t0 = time.perf_counter()
+    st = sampler.init_state(batch)
+    pre = sampler.prefill.lower(params, st, toks, n_new).compile()
+    st2, _ = pre(params, sampler.init_state(batch), toks, n_new)
+    dec = sampler.decode.lower(params, st2, rng, uids, active, budget, np.int32(batch)).compile()
+    compile_s = time.perf_counter() - t0
+
+    def prefill_only():
+        return pre(params, sampler.init_state(batch), toks, n_new)[0].logits
+
+    def full():
+        s, _ = pre(params, sampler.init_state(batch), toks, n_new)
+        s, out = dec(params, s, rng, uids, active, budget, np.int32(batch))
+        return out.tokens, s.cache["lengths"]
+
+    prefill_only()
+    (gen, lengths), t_full, t_min, t_max = timed(full, args.reps)
+    _, t_pre, _, _ = timed(prefill_only, args.reps)
+    t_dec = max(t_full - t_pre, 1e-9)
+    assert_len = int(np.asarray(lengths)[0])
+    pool = PagePool(batch, batch * cfg.max_len // cfg.page_size, cfg.page_size, cfg.max_len)
+    for b in range(batch):
+        pool.ensure(b, assert_len)
+    line = dict(
+        bench="rollout",
+        variant=f"{kind}/{pattern}/b{batch}/{args.policy}",
+        model=kind,
+        pattern=pattern,
+        batch=batch,
+        prompt=PROMPT,
+        new_tokens=NEW,
+        policy=args.policy,
+        chunk=chunk,
+        tokens_per_s=batch * (PROMPT + NEW) / t_full,
+        decode_tokens_per_s=batch * NEW / t_dec,
+        prefill_ms=1e3 * t_pre,
+        total_ms=1e3 * t_full,
+        total_ms_min=1e3 * t_min,
+        total_ms_max=1e3 * t_max,
+        compile_s=compile_s,
+        generated_per_seq=int(np.asarray(gen).shape[1]),
+        kv_bytes_per_seq=kv_bytes_per_seq(mcfg, policy, 8192, cfg.page_size),
+        kv_bytes_ratio_vs_dense=kv_bytes_per_seq(mcfg, policy, 8192, cfg.page_size)
+        / dense_kv_bytes(mcfg, policy, 8192),
+        pool_waste_pages_per_seq=pool.waste_tokens([assert_len] * batch) / batch / cfg.page_size,
+    )
+    if args.nocache:
+        fn = nocache_fn(model, cfg, batch)
+        t0 = time.perf_counter()
+        fn = fn.lower(params, prompt, rng).compile()
+        line["nocache_compile_s"] = time.perf_counter() - t0
+        fn(params, prompt, rng).block_until_ready()
+        _, t_nc, _, _ = timed(lambda: fn(params, prompt, rng), max(1, args.reps // 2))
+        line["nocache_tokens_per_s"] = batch * NEW / t_nc
+        line["speedup_vs_nocache"] = line["decode_tokens_per_s"] / line["nocache_tokens_per_s"]
+    line.update(
+        backend=jax.default_backend(), devices=jax.device_count(), jax_version=jax.__version__
+    )
+    return line
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="8,32")
+    ap.add_argument("--patterns", default="D,SSSF")
+    ap.add_argument("--models", default="dense,moe")
+    ap.add_argument("--policy", default="fp32")
+    ap.add_argument("--chunk", type=int, default=1, help="decode chunk of non-parity policies")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-nocache", dest="nocache", action="store_false")
+    args = ap.parse_args(argv)
+    for kind in args.models.split(","):
+        for pattern in args.patterns.split(","):
+            for batch in (int(b) for b in args.batches.split(",")):
+                print(json.dumps(bench_one(kind, pattern, batch, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
