@@ -1,0 +1,83 @@
+"""The main job end to end (smoke variant) and bitwise resume of the RL loop."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from agentrl_jax.config import load_config
+from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.transformer import Transformer, init_params
+from agentrl_jax.precision import get_policy
+from agentrl_jax.report import build_report
+from agentrl_jax.train.rl_loop import LoopConfig, RLRun, run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
+
+
+def test_main_job_smoke(tmp_path):
+    cfg = load_config(SMOKE, [f"workdir={tmp_path}"])
+    summary = run(cfg, progress=False)
+    for key in (
+        "heldout_success_before_rl",
+        "heldout_success_after_rl",
+        "goal_adherence_after_rl",
+        "entropy_start",
+        "entropy_end",
+        "nonfinite_steps",
+        "wall_s",
+        "run_dir",
+    ):
+        assert key in summary, key
+    run_dir = summary["run_dir"]
+    assert summary["nonfinite_steps"] == 0
+    assert np.isfinite(summary["entropy_start"]) and np.isfinite(summary["entropy_end"])
+    lines = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
+    keys = set().union(*lines)
+    assert any(k.startswith("sft/") for k in keys) and "rl/reward" in keys
+    assert "rl/mismatch/max_abs_dlogp" in keys or any(k.startswith("rl/mismatch/") for k in keys)
+    for stage in ("sft", "rl"):
+        assert os.listdir(os.path.join(run_dir, "checkpoints", stage))
+    assert os.path.getsize(os.path.join(run_dir, "tool_calls.jsonl")) > 0
+    assert os.listdir(os.path.join(run_dir, "tb"))
+    build_report(run_dir)
+    assert any(p.endswith(".png") for p in os.listdir(os.path.join(run_dir, "plots")))
+
+
+def test_resume_is_bitwise(tmp_path):
+    cfg = load_config(SMOKE, ["train.sft=False", "train.eval_before=False"])
+    model_cfg = ModelConfig(**cfg.model.to_dict())
+    params = init_params(Transformer(model_cfg, get_policy(cfg.policy)), jax.random.key(0))
+    straight = tmp_path / "straight"
+    broken = tmp_path / "broken"
+    straight.mkdir()
+    broken.mkdir()
+
+    a = RLRun(cfg, str(straight), params, resume=False)
+    for step in range(2):
+        a.step(step)
+    b = RLRun(cfg, str(broken), params, resume=False)
+    b.step(0)
+    b.save(1)
+    b.ckpt.close()
+    del b  # "killed"
+    c = RLRun(cfg, str(broken), params, resume=True)
+    assert c.start_step == 1
+    c.step(1)
+    for x, y in zip(jax.tree.leaves(a.state.params), jax.tree.leaves(c.state.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for x, y in zip(jax.tree.leaves(a.state.opt_state), jax.tree.leaves(c.state.opt_state)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert a.pipeline.state() == c.pipeline.state()
+    with pytest.raises(ValueError, match="already holds"):
+        RLRun(cfg, str(broken), params, resume=False)
+
+
+def test_loop_config_validation():
+    with pytest.raises(ValueError, match="advantage"):
+        LoopConfig(advantage="nope")
+    with pytest.raises(ValueError, match="max_turns"):
+        LoopConfig(max_turns=0)
