@@ -6,6 +6,10 @@ One call = one update step:
      the rollout-vs-train mismatch metrics (``mismatch/*``, incl. MoE routing agreement). With a
      single update per step (1 epoch, 1 minibatch) this pass is fused into the gradient pass,
      whose stop-gradient logprobs are then exactly the pre-update ones (ratio 1);
+     with routing replay on, the train routes are the replayed ones (agreement reads 1; measure
+     the router's own agreement with replay off). Parity policies get bitwise rollout logprobs
+     from the separate pass (micro-batches of the sampler's ``n_slots``); in the fused pass only
+     when ``micro_batch`` equals ``n_slots``;
   2. ``ppo_epochs`` x ``n_minibatches`` optimiser updates as two nested ``lax.scan``s; the batch
      is permuted per epoch from ``fold_in(fold_in(rng, step), epoch)``;
   3. each minibatch gradient is accumulated over micro-batches with a ``lax.scan``; micro-batch
