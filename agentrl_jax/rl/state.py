@@ -46,9 +46,10 @@ class RLConfig:
         pre-update parameters at the start of the step (same policy and path as training, so the
         first PPO ratio is exactly 1 and rollout/train numerics go into the correction weights
         rho = exp(logp_old - logp_rollout)); 'rollout': the sampler's logprobs (rho = 1, the
-        numerics mismatch enters the PPO ratio itself).
-      log_mismatch: compute rollout-vs-train mismatch metrics every step (needs the pre-update
-        pass; with old_logprobs='recompute' it is free).
+        numerics mismatch enters the PPO ratio itself). With 1 epoch x 1 minibatch the
+        recompute is fused into the gradient pass (its stop-gradient logprobs, no extra forward).
+      log_mismatch: compute rollout-vs-train mismatch metrics every step (from the pre-update
+        pass; free with old_logprobs='recompute').
       use_routing_replay: recompute with ``batch['routes']`` forced as the MoE routes.
       use_kv_mask_replay: replay the rollout's KV evictions (``batch['kv_evict_at']``) in the
         recompute; needs a parity policy (the chunked path).
