@@ -20,7 +20,9 @@ proxy of greedy success), ``grad_norm``, ``lr``, ``tokens_per_s``, ``steps_per_s
 ``cpu_s_per_step`` (process CPU time: the honest cost on a shared machine).
 
 Curriculum: the first ``curriculum_fraction`` of the steps draws demonstrations from
-``curriculum_difficulties`` (e.g. easy level 0), the rest from ``difficulties``.
+``curriculum_difficulties`` (e.g. easy level 0), cropped to ``curriculum_crop_len`` tokens ending
+with the fix when that is > 0 (``demos.crop_demo``: cheap steps on the turns that decide
+success), the rest whole episodes from ``difficulties``.
 
 ``run_sft`` writes ``metrics.jsonl`` (prefix ``sft/``) and orbax checkpoints under
 ``<run_dir>/checkpoints/sft`` and shows a progress bar with ETA. Training is teacher-forced with
@@ -68,6 +70,7 @@ class SFTConfig:
       difficulties: environment levels of the demonstrations (equal weight each).
       curriculum_difficulties: levels of the first ``curriculum_fraction`` of steps (empty: none).
       curriculum_fraction: fraction of steps in the curriculum phase, in ``[0, 1)``.
+      curriculum_crop_len: crop curriculum demonstrations to this many tokens (0: whole).
       detour_prob: probability of a detour (wrong edit, run, fix) before each expert fix.
       buckets: padded sequence lengths (one compiled step each); longer demos are dropped.
       read_threads: grain threads that play demonstrations while the step runs.
@@ -89,6 +92,7 @@ class SFTConfig:
     difficulties: tuple[int, ...] = (1,)
     curriculum_difficulties: tuple[int, ...] = ()
     curriculum_fraction: float = 0.0
+    curriculum_crop_len: int = 0
     detour_prob: float = 0.1
     buckets: tuple[int, ...] = (256, 320, 384)
     read_threads: int = 1
@@ -114,6 +118,10 @@ class SFTConfig:
         if not 0.0 <= self.curriculum_fraction < 1.0:
             raise ValueError(
                 f"SFTConfig.curriculum_fraction={self.curriculum_fraction} must be in [0, 1)"
+            )
+        if self.curriculum_crop_len < 0 or self.curriculum_crop_len == 1:
+            raise ValueError(
+                f"SFTConfig.curriculum_crop_len={self.curriculum_crop_len} must be 0 or >= 2"
             )
         if not 0.0 < self.b2 < 1.0:
             raise ValueError(f"SFTConfig.b2={self.b2} must be in (0, 1)")
@@ -245,8 +253,9 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
     return jax.jit(train_step, donate_argnums=(0,))
 
 
-def _stream(cfg: SFTConfig, difficulties, seed_offset: int) -> DemoStream:
+def _stream(cfg: SFTConfig, difficulties, seed_offset: int, crop_len: int = 0) -> DemoStream:
     source = DemoSource(
+        crop_len=crop_len,
         difficulties=difficulties,
         detour_prob=cfg.detour_prob,
         buckets=cfg.buckets,
@@ -305,7 +314,9 @@ def run_sft(
 
     streams = {"main": _stream(cfg, cfg.difficulties, 0)}
     if cfg.curriculum_steps:
-        streams["curriculum"] = _stream(cfg, cfg.curriculum_difficulties, 1)
+        streams["curriculum"] = _stream(
+            cfg, cfg.curriculum_difficulties, 1, cfg.curriculum_crop_len
+        )
     start = 0
     if resume and ckpt.latest_step() is not None:
         out = ckpt.restore(params=params, opt_state=opt_state)

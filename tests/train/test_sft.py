@@ -12,7 +12,7 @@ import pytest
 from agentrl_jax.envs.coderepair import CodeTokenizer
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.train.checkpoint import Checkpointer, restore_params, stage_dir
-from agentrl_jax.train.demos import bucket_length, demo_episode, pad_batch
+from agentrl_jax.train.demos import bucket_length, crop_demo, demo_episode, pad_batch
 from agentrl_jax.train.sft import MAX_TURN_SLOTS, SFTConfig, make_optimizer, run_sft, sft_loss
 
 TINY = ModelConfig(
@@ -103,6 +103,13 @@ def test_demo_episode_and_pad_batch():
         assert batch["valid"][i].sum() == n and (batch["turn_ids"][i, n:] == -1).all()
     with pytest.raises(ValueError, match="largest bucket"):
         pad_batch(demos, (64,), tok.pad_id)
+    for d in demos:  # a crop ends with the last fix turn and keeps the aligned masks
+        c = crop_demo(d, 40)
+        end = int(np.nonzero(d["fix_mask"])[0][-1]) + 1
+        assert len(c["tokens"]) == 40 and c["fix_mask"][-1]
+        for k in ("tokens", "action_mask", "fix_mask", "turn_ids"):
+            np.testing.assert_array_equal(c[k], d[k][end - 40 : end])
+        assert tok.to_words(c["tokens"][-1:]) == ["</call>"]
 
 
 def test_config_validation():
@@ -148,10 +155,13 @@ def test_checkpoint_round_trip_bitwise(tmp_path):
 
 def test_run_sft_smoke(tmp_path):
     cfg = SFTConfig(steps=12, batch_size=4, lr=3e-2, warmup_steps=1, log_every=4,
-                    difficulties=(0,), detour_prob=0.2, buckets=(320,), read_threads=0)  # fmt: skip
+                    difficulties=(0,), detour_prob=0.2, buckets=(320,), read_threads=0,
+                    curriculum_difficulties=(1,), curriculum_fraction=0.34,
+                    curriculum_crop_len=48)  # fmt: skip
     params, summary = run_sft(TINY, "fp32", cfg, str(tmp_path), progress=False)
     recs = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in recs] == [4, 8, 12]
+    assert [r["sft/seq_len"] for r in recs] == [48, 320, 320]  # 4 cropped curriculum steps
     assert recs[-1]["sft/loss"] < recs[0]["sft/loss"] - 0.5  # starts near ln(512) = 6.2
     assert summary["sft/steps"] == 12 and summary["sft/tokens_per_s"] > 0
     assert os.path.isdir(os.path.join(stage_dir(tmp_path, "sft"), "12"))
