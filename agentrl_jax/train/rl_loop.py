@@ -442,6 +442,9 @@ def run_from_cli(args) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
     )
+    from agentrl_jax.sharding import maybe_initialize_distributed
+
+    maybe_initialize_distributed()  # multi-host launch: one JAX process group
     resume = getattr(args, "resume", None)
     overrides = getattr(args, "set", None) or []
     if resume and not args.spec:
