@@ -85,6 +85,9 @@ def main(argv=None) -> int:
     out[f"ratio_{depths[-1]}_vs_{depths[0]}"] = round(
         out[f"compile_s_{depths[-1]}"] / out[f"compile_s_{depths[0]}"], 3
     )
+    out[f"ratio_cpu_{depths[-1]}_vs_{depths[0]}"] = round(
+        out[f"compile_cpu_s_{depths[-1]}"] / out[f"compile_cpu_s_{depths[0]}"], 3
+    )
     out.update(
         backend=jax.default_backend(), devices=jax.device_count(), jax_version=jax.__version__
     )
