@@ -159,7 +159,9 @@ def _split(item: str) -> tuple[str, Any]:
 
 def _coerce(key: str, old: Any, value: Any) -> Any:
     if isinstance(old, ConfigDict):
-        raise ValueError(f"config key {key!r} is a section; set one of its fields")
+        if isinstance(value, dict) and not old.keys():  # a free-form dict field, empty by
+            return ConfigDict(value)  # default (e.g. train.advantage_kwargs)
+        raise ValueError(f"config key {key!r} is a section; set one of its fields or a dict")
     if old is None or value is None:
         return value
     if isinstance(old, bool):

@@ -38,6 +38,10 @@ def test_overrides_errors_name_the_key():
         load_config(path + ":size=huge")
     with pytest.raises(ValueError, match="does not exist"):
         load_config("experiments/nope.py")
+    with pytest.raises(ValueError, match="is a section"):
+        load_config(path, ['model={"d_model": 8}'])
+    kw = load_config(path, ['train.advantage_kwargs={"eps": 0.001}']).train.advantage_kwargs
+    assert kw.to_dict() == {"eps": 0.001}
     with pytest.raises(ValueError, match="n_heads"):
         to_dataclass(apply_overrides(cfg, ["model.n_heads=3"]).model, ModelConfig)
 
