@@ -1,3 +1,3 @@
-"""agentrl_jax: agentic reinforcement learning of LLMs on long multi-turn tool-calling trajectories."""
+"""agentrl_jax: agentic RL of LLMs on long, multi-turn, tool-calling trajectories."""
 
 __version__ = "0.1.0"

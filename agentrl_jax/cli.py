@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sweep", help="run the sweep(add) points of an experiment")
     _add_spec(p)
+    p.add_argument(
+        "--resume", default=None, help="sweep directory to continue (finished points are skipped)"
+    )
 
     p = sub.add_parser("plan", help="parameter/FLOP/memory plan of a model (eval_shape only)")
     _add_spec(p)
