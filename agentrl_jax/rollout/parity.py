@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache
+from agentrl_jax.model.transformer import Transformer
 from agentrl_jax.precision import DTypePolicy
 from agentrl_jax.rollout.sampler import SamplingConfig, fixed_order_logprobs
 from agentrl_jax.rollout.trajectory import Trajectory
@@ -26,33 +26,15 @@ _NEVER = np.iinfo(np.int32).max
 
 
 def _chunked_forward(model, params, tokens, evict_at, replay_routes, *, chunk, page_size, max_len):
-    """``forward_chunked`` with per-chunk KV visibility ``keep = chunk_start < evict_at``."""
-    b, t = tokens.shape
-    n_chunks = t // chunk
-    cache = init_cache(model.cfg, model.policy, CacheSpec(b, max_len, page_size))
-    toks = tokens.reshape(b, n_chunks, chunk).swapaxes(0, 1)
-    rr = None
-    if replay_routes is not None:
-        rr = replay_routes.reshape(b, n_chunks, chunk, *replay_routes.shape[2:]).swapaxes(0, 1)
-    ev = jnp.full((b, max_len), _NEVER, jnp.int32)
-    if evict_at is not None:
-        ev = ev.at[:, :t].set(evict_at)
+    """The trainer's chunked pass (``rl.logprobs.chunked_logits``): one implementation of the
+    sampler's computation, with per-chunk KV visibility ``keep = chunk_start < evict_at``."""
+    from agentrl_jax.rl.logprobs import ChunkSpec, chunked_logits
 
-    def step(cache, xs):
-        tok, rep = xs
-        cache = dict(cache)
-        cache["keep"] = cache["lengths"][:, None] < ev
-        logits, cache, extras = model.apply(
-            params, tok, cache=cache, valid=jnp.ones((b, chunk), bool), replay_routes=rep
-        )
-        cache.pop("keep")
-        return cache, (logits, extras.get("routes"))
-
-    _, (logits, routes) = jax.lax.scan(step, cache, (toks, rr))
-    logits = logits.swapaxes(0, 1).reshape(b, t, -1)
-    if routes is not None:
-        routes = routes.swapaxes(0, 1).reshape(b, t, *routes.shape[3:])
-    return logits, routes
+    spec = ChunkSpec(chunk=chunk, page_size=page_size, max_len=max_len)
+    logits, extras = chunked_logits(
+        model, params, tokens, spec, evict_at=evict_at, replay_routes=replay_routes
+    )
+    return logits, extras.get("routes")
 
 
 def sequence_logprobs(
