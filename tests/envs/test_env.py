@@ -1,11 +1,14 @@
 """The code-repair environment: robustness, rewards, constraint, episodes."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from agentrl_jax.envs.base import Env
 from agentrl_jax.envs.coderepair.env import PROCESS_KEYS, CodeRepairEnv
 from agentrl_jax.envs.coderepair.task import make_task
+from agentrl_jax.envs.coderepair.tools import first_wrong_line
 from agentrl_jax.envs.episode import play_episode
 
 
@@ -39,9 +42,10 @@ def test_reset_format(env):
         ("view", "functions :"),
         ("mix", "error unknown tool mix"),
         ("run L3", "error run takes 0 args got 1"),
-        ("sub L3 +", "error sub takes 3 args got 2"),
+        ("sub +", "error sub takes 2 to 3 args got 1"),
+        ("sub + -", "error no cursor line give a line"),
         ("edit L150 x = 1", "error line L150 out of range"),
-        ("edit x = 1", "error bad line x"),
+        ("edit x = 1", "error no cursor line give a line"),
         ("view L5 L2", "error bad range"),
         ("view x", "error no function x"),
         ("sub L0 // a", "error L0 has no //"),
@@ -173,3 +177,46 @@ def test_play_episode_masks_and_turn_ids(env):
     assert ep.tokens[-1] == tok.eos_id
     with pytest.raises(ValueError, match="max_turns"):
         play_episode(env, task, lambda s: [], max_turns=0)
+
+
+def test_first_wrong_line_is_the_first_differing_traced_line():
+    trace = ((3, 1), (5, 12), (6, 7), (8, 0))
+    golden = ((3, 1), (5, 7), (6, 2), (8, 0))
+    assert first_wrong_line(trace, golden) == (5, 7)
+    assert first_wrong_line(trace, trace) is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_run_marks_the_logic_bug_line_and_cursor_fixes_it(env, seed):
+    task = make_task(100 + seed, 1, bug_types=("logic",))
+    bug = task.bugs[0]
+    env.reset(task)
+    obs, _ = env.step(call(env, "run"))
+    text = obs_text(env, obs)
+    lines = text.replace("<obs>", "").replace("</obs>", "").strip().split("\n")
+    assert lines[-1].strip() == f"cursor L{env.state.cursor}"
+    marked = [ln for ln in lines if " want " in ln and "=>" in ln]
+    assert len(marked) <= 1
+    if env.state.cursor == bug.line:
+        # the short form (no line id) acts on the cursor line
+        short = " ".join(bug.fix[:1] + bug.fix[2:])
+        obs, res = env.step(call(env, short))
+        assert f"L{bug.line}" in obs_text(env, obs) and not res.log["error"]
+        obs, _ = env.step(call(env, "run"))
+        assert "pass 6 of 6" in obs_text(env, obs)
+        assert tuple(env.state.lines[bug.line]) == bug.original
+
+
+def test_golden_trace_off_gives_no_want_marker(env):
+    task = make_task(101, 1, bug_types=("logic",))
+    on = obs_text(env, (env.reset(task), env.step(call(env, "run"))[0])[1])
+    off_task = dataclasses.replace(
+        task, config=dataclasses.replace(task.config, golden_trace=False)
+    )
+    off = obs_text(env, (env.reset(off_task), env.step(call(env, "run"))[0])[1])
+    assert "cursor" in on and "cursor" not in off
+    traced_on = [ln for ln in on.split("\n") if "=>" in ln]
+    traced_off = [ln for ln in off.split("\n") if "=>" in ln]
+    assert any(" want " in ln for ln in traced_on)
+    assert traced_off and not any(" want " in ln for ln in traced_off)
+    assert env.state.cursor == -1

@@ -50,6 +50,8 @@ class EnvConfig:
       step_budget: interpreter instructions per test (more is a ``timeout``).
       time_limit_s: wall-clock limit of one tool call.
       max_edit_lines: lines one ``edit`` may write.
+      golden_trace: ``run`` marks the first traced line whose value differs from the reference
+        solution's with ``want V`` and points the cursor at it (see ``tools``).
     """
 
     n_functions: int = 3
@@ -64,6 +66,7 @@ class EnvConfig:
     step_budget: int = 5000
     time_limit_s: float = 2.0
     max_edit_lines: int = 8
+    golden_trace: bool = True
 
     def __post_init__(self):
         _check("n_functions", self.n_functions, 1, 12)

@@ -5,6 +5,8 @@ calls, so its demonstrations are token streams a model could have produced:
 
     run -> [view F] -> fix bug 1 -> run -> [view F] -> fix bug 2 -> run -> ... -> submit
 
+A fix on the line the cursor points at (``run`` sets it) is written without the line id.
+
 Syntax bugs come first (nothing runs until the program parses), then the others by line. ``view``
 is used only when the prompt does not show the program. With ``detour_prob > 0`` a fix is
 sometimes preceded by a plausible wrong edit of the same line and a ``run`` that shows it did not
@@ -15,10 +17,12 @@ from __future__ import annotations
 
 import random
 
+from agentrl_jax.envs.base import call_tool
 from agentrl_jax.envs.coderepair.bugs import Bug
 from agentrl_jax.envs.coderepair.language import FUNCTION_NAMES, VARIABLES, function_spans
 from agentrl_jax.envs.coderepair.task import Task
 from agentrl_jax.envs.coderepair.tokenizer import CodeTokenizer
+from agentrl_jax.envs.coderepair.tools import _LINE_ID, RepairState, default_registry
 
 _SWAPS = (("+", "-", "*"), ("<", "<=", ">", ">="), tuple(str(d) for d in range(1, 10)))
 
@@ -42,8 +46,23 @@ def _wrong_line(rng: random.Random, bug: Bug) -> tuple[str, ...] | None:
     return None
 
 
+def _at_cursor(call: tuple[str, ...], cursor: int) -> tuple[str, ...]:
+    """``call`` without its line id when it targets the cursor line (``sub Lk A B`` -> ``sub A B``).
+
+    Multi-line edits (``edit La Lb ...``) keep their ids.
+    """
+    if len(call) >= 2 and call[0] in ("sub", "edit") and call[1] == f"L{cursor}":
+        if not (call[0] == "edit" and len(call) >= 3 and _LINE_ID.fullmatch(call[2])):
+            return (call[0], *call[2:])
+    return call
+
+
 def expert_plan(task: Task, *, detour_prob: float = 0.0, seed: int = 0) -> list[tuple[str, ...]]:
     """The expert's tool calls (as word tuples) for ``task``.
+
+    The plan is played on a copy of the program with the environment's own tools, so the expert
+    sees the cursor ``run`` sets and writes ``sub OLD NEW`` / ``edit <line>`` (no line id) when
+    the cursor is on the line it fixes.
 
     Args:
       task: the task (its ``bugs`` give locations and fixes).
@@ -57,23 +76,34 @@ def expert_plan(task: Task, *, detour_prob: float = 0.0, seed: int = 0) -> list[
         raise ValueError(f"detour_prob={detour_prob} must be in [0, 1]")
     rng = random.Random(f"expert-{task.seed}-{task.difficulty}-{seed}")
     spans = function_spans(task.lines)
+    state = RepairState(task=task, lines=list(task.lines))
+    registry = default_registry()
+    plan: list[tuple[str, ...]] = []
+
+    def act(call: tuple[str, ...]) -> None:
+        call = _at_cursor(call, state.cursor)
+        plan.append(call)
+        res = call_tool(registry, list(call), state, task.config.time_limit_s)
+        if res.error:  # pragma: no cover - the expert's calls are valid by construction
+            raise RuntimeError(f"expert call {call} failed: {res.output}")
+
     viewed: set[str] = set()
-    plan: list[tuple[str, ...]] = [("run",)]
+    act(("run",))
     for bug in sorted(task.bugs, key=lambda b: (b.type != "syntax", b.line)):
         if not task.config.show_program:
             fn = next(f for f, (s, e) in spans.items() if s <= bug.line <= e)
             if fn not in viewed:
                 viewed.add(fn)
-                plan.append(("view", fn))
+                act(("view", fn))
         fix = bug.fix
         if detour_prob > 0 and rng.random() < detour_prob:
             wrong = _wrong_line(rng, bug)
             if wrong is not None:
-                plan.append(("edit", f"L{bug.line}", *wrong))
-                plan.append(("run",))
+                act(("edit", f"L{bug.line}", *wrong))
+                act(("run",))
                 fix = ("edit", f"L{bug.line}", *bug.original)
-        plan.append(fix)
-        plan.append(("run",))
+        act(fix)
+        act(("run",))
     plan.append(("submit",))
     return plan
 
