@@ -12,6 +12,13 @@ Two ways to run one layer, sharing parameters and the projections:
     chunk's keys are written first, then the chunk attends over the gathered context with a
     mask (fixed shapes: decode and chunked training compute identical numbers).
 
+KV compression hooks of the chunked path (F/D layers; replayed by the trainer's chunked pass):
+``meta['keep']`` bool [B, S] hides evicted keys; ``meta['int8_at']`` int32 [B, S] moves keys to
+int8 (per logical page and KV head, ``model.kv_quant``) in place from the chunk containing that
+position on. A ``kv_cache_dtype='int8'`` policy quantises every page of F/D layers once the next
+page starts (S rings stay in the compute dtype); its teacher-forced pass does not quantise (the
+difference is measured as rollout/trainer mismatch, the policy is not a parity policy).
+
 Sparse-attention block scorer (``select_blocks``): each key block is summarised by the mean of
 its (RoPE-rotated) keys; a query's GQA group scores block j with the group-mean query dotted
 with that mean key (MoBA-style mean pooling: no extra parameters, one [T, J] product per KV
@@ -30,10 +37,12 @@ from flax import linen as nn
 
 from agentrl_jax import kernels
 from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.kv_quant import fake_quant_pages
 from agentrl_jax.model.layers import param_init, rope
 from agentrl_jax.precision import DTypePolicy
 
 _BIG = 1e30
+_NEVER = jnp.iinfo(jnp.int32).max  # int8_at / evict_at of a token never compressed
 
 
 def select_blocks(
@@ -157,6 +166,78 @@ def ring_positions(lengths: jax.Array, window: int) -> jax.Array:
     return jnp.where(p >= 0, p, -1)
 
 
+def pool_dtype(policy: DTypePolicy):
+    """dtype of the cache buffers: ``policy.kv_cache``, or the compute dtype for 'int8'.
+
+    int8 KV is fake-quantised (``model.kv_quant``): quantised tokens are stored as their
+    dequantised values, so the buffers keep a float dtype.
+    """
+    return policy.compute if policy.kv_cache_dtype == "int8" else policy.kv_cache
+
+
+def int8_page_update(
+    pool_k: jax.Array,
+    pool_v: jax.Array,
+    tables: jax.Array,
+    int8_at: jax.Array,
+    lengths: jax.Array,
+    new_len: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Applies the int8 decisions that take effect in this chunk to the paged pools in place.
+
+    A token ``p`` with ``lengths[b] <= int8_at[b, p] < new_len[b]`` (its decision position lies
+    in this chunk) makes its logical page be re-quantised: every token of that page with
+    ``int8_at < new_len`` (old and new int8 tokens) is replaced by its int8 round trip with the
+    page's scale (``kv_quant.fake_quant_pages``); other pages are untouched. Exactly one chunk of
+    a sequence contains a given position, so each decision is applied once, in the rollout as in
+    the trainer's chunked pass (which is what makes replay bitwise). Skipped (``lax.cond``) when
+    no decision falls in the chunk.
+
+    Args:
+      pool_k, pool_v: [P, L, K, H] pools (after this chunk's keys were written).
+      tables: int32 [B, max_pages] block tables (-1: no page; never written).
+      int8_at: int32 [B, S] with S = max_pages * L; int32 max = never int8.
+      lengths, new_len: int32 [B] tokens cached before / after this chunk.
+
+    Returns:
+      The updated (pool_k, pool_v).
+    """
+    n_pages, page = pool_k.shape[:2]
+    b, s = int8_at.shape
+    now = (int8_at >= lengths[:, None]) & (int8_at < new_len[:, None])
+
+    def update(pools):
+        mark = int8_at < new_len[:, None]
+        hit = jnp.repeat(jnp.any(now.reshape(b, s // page, page), axis=2), page, axis=1)
+        page_ids = jnp.repeat(tables, page, axis=1)  # [B, S]
+        dst = jnp.where(mark & hit & (page_ids >= 0), page_ids, n_pages)  # n_pages: dropped
+        slot = jnp.broadcast_to(jnp.arange(s) % page, (b, s))
+        safe = jnp.maximum(tables, 0)
+        out = []
+        for pool in pools:
+            x = pool[safe].reshape(b, s, *pool.shape[2:])
+            out.append(pool.at[dst, slot].set(fake_quant_pages(x, mark, page), mode="drop"))
+        return tuple(out)
+
+    return jax.lax.cond(jnp.any(now), update, lambda pools: pools, (pool_k, pool_v))
+
+
+def _int8_at(meta: dict, policy: DTypePolicy, s: int, page: int) -> jax.Array | None:
+    """int32 [B, S] int8 decision positions of a paged layer, or None when nothing is int8.
+
+    Recorded decisions come in ``meta['int8_at']``; a ``kv_cache_dtype='int8'`` policy adds one
+    for every token: its page's end (a page is quantised once the next page starts).
+    """
+    i8 = meta.get("int8_at")
+    if i8 is not None and i8.shape[1] < s:
+        i8 = jnp.pad(i8, ((0, 0), (0, s - i8.shape[1])), constant_values=_NEVER)
+    if policy.kv_cache_dtype == "int8":
+        page_end = ((jnp.arange(s) // page + 1) * page).astype(jnp.int32)[None, :]
+        i8 = page_end if i8 is None else jnp.minimum(i8, page_end)
+        i8 = jnp.broadcast_to(i8, (meta["lengths"].shape[0], s))
+    return i8
+
+
 def init_layer_cache(
     kind: str,
     cfg: ModelConfig,
@@ -166,13 +247,11 @@ def init_layer_cache(
     n_pages: int,
     page_size: int,
 ) -> dict[str, jax.Array]:
-    """Empty cache of one layer: ring ``{k, v}: [B, W, K, H]`` for S, pool ``[P, L, K, H]`` else."""
-    if policy.kv_cache_dtype == "int8":
-        raise ValueError(
-            "kv_cache_dtype='int8' pages are produced by rollout eviction "
-            "(agentrl_jax.rollout.kv_cache); the model cache holds float pages"
-        )
-    dt = policy.kv_cache
+    """Empty cache of one layer: ring ``{k, v}: [B, W, K, H]`` for S, pool ``[P, L, K, H]`` else.
+
+    Buffers have :func:`pool_dtype` (the compute dtype under ``kv_cache_dtype='int8'``).
+    """
+    dt = pool_dtype(policy)
     if kind == "S":
         shape = (batch, cfg.window, cfg.n_kv_heads, cfg.head_dim)
     else:
@@ -201,7 +280,8 @@ class Attention(nn.Module):
 
         Teacher-forced when ``cache`` is None (positions must be 0..T-1). Chunked otherwise:
         ``meta`` holds ``lengths`` int32 [B] (tokens cached before this chunk) and, for F/D,
-        ``block_tables`` int32 [B, max_pages]; ``valid`` bool [B,C] marks the real rows (a
+        ``block_tables`` int32 [B, max_pages], optionally ``keep`` bool [B, S] and
+        ``int8_at`` int32 [B, S] (module docstring); ``valid`` bool [B,C] marks the real rows (a
         prefix of each row of the chunk).
         """
         cfg, pol = self.cfg, self.policy
@@ -277,7 +357,7 @@ class Attention(nn.Module):
         lengths = meta["lengths"]
         valid = jnp.ones((b, c), bool) if valid is None else valid
         new_len = lengths + jnp.sum(valid, axis=1).astype(lengths.dtype)
-        kd, vd = k.astype(pol.kv_cache), v.astype(pol.kv_cache)
+        kd, vd = k.astype(pool_dtype(pol)), v.astype(pool_dtype(pol))
         if self.kind == "S":
             w = cfg.window
             ring_k, ring_v = cache["k"], cache["v"]
@@ -320,8 +400,11 @@ class Attention(nn.Module):
         slot = positions % page
         pool_k = pool_k.at[page_of, slot].set(kd, mode="drop")
         pool_v = pool_v.at[page_of, slot].set(vd, mode="drop")
-        safe = jnp.maximum(tables, 0)
         s = tables.shape[1] * page
+        int8_at = _int8_at(meta, pol, s, page)
+        if int8_at is not None:  # int8 KV: decisions taking effect in this chunk, in place
+            pool_k, pool_v = int8_page_update(pool_k, pool_v, tables, int8_at, lengths, new_len)
+        safe = jnp.maximum(tables, 0)
         keys = pool_k[safe].reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
         vals = pool_v[safe].reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
         kpos = jnp.arange(s)

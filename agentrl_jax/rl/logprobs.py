@@ -9,8 +9,9 @@ position that produced the logprob: ``routes[:, :-1]``.
 Parity policies (``policy.parity``) recompute as a ``lax.scan`` of the model's chunk function
 with the sampler's chunk size, page size and cache capacity (:class:`ChunkSpec`), the same
 computation as ``agentrl_jax.rollout.parity`` (which also applies recorded KV evictions,
-``evict_at``), and every path takes logprobs with the sampler's ``fixed_order_logprobs``; with the
-sampler's batch size the recomputed logprobs are bitwise the rollout's.
+``evict_at``, and int8 KV decisions, ``int8_at``), and every path takes logprobs with the
+sampler's ``fixed_order_logprobs``; with the sampler's batch size the recomputed logprobs are
+bitwise the rollout's.
 
 Shape legend: B sequences, T tokens, V vocab, L MoE layers, k experts per token.
 """
@@ -102,16 +103,19 @@ def chunked_logits(
     spec: ChunkSpec,
     *,
     evict_at: jax.Array | None = None,
+    int8_at: jax.Array | None = None,
     replay_routes: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
     """Teacher-forced logits as a scan of the chunk function (the sampler's computation).
 
     Keys of position p are visible to a chunk starting at ``s`` iff ``s < evict_at[b, p]``
-    (KV-eviction replay; default: never evicted).
+    (KV-eviction replay; default: never evicted); their F/D-layer K/V are int8 round trips from
+    the chunk containing ``int8_at[b, p]`` on (int8 KV replay, ``model.attention``).
 
     Args:
       tokens: int32 [B, T], T a multiple of ``spec.chunk`` and <= ``spec.max_len``.
       evict_at: optional int32 [B, T] recorded eviction positions.
+      int8_at: optional int32 [B, T] recorded int8 positions (int32 max = never).
       replay_routes: optional int32 [B, T, L, k].
 
     Returns:
@@ -134,15 +138,21 @@ def chunked_logits(
     ev = jnp.full((b, max_len), _NEVER, jnp.int32)
     if evict_at is not None:
         ev = ev.at[:, :t].set(evict_at.astype(jnp.int32))
+    i8 = None
+    if int8_at is not None:
+        i8 = jnp.full((b, max_len), _NEVER, jnp.int32).at[:, :t].set(int8_at.astype(jnp.int32))
 
     def step(cache, xs):
         tok, rep = xs
         cache = dict(cache)
         cache["keep"] = cache["lengths"][:, None] < ev
+        if i8 is not None:
+            cache["int8_at"] = i8
         logits, cache, extras = model.apply(
             params, tok, cache=cache, valid=jnp.ones((b, c), bool), replay_routes=rep
         )
         cache.pop("keep")
+        cache.pop("int8_at", None)
         return cache, (logits, extras)
 
     _, (logits, extras) = jax.lax.scan(step, cache, (toks, rr))
@@ -163,6 +173,7 @@ def sequence_logprobs(
     valid: jax.Array | None = None,
     replay_routes: jax.Array | None = None,
     evict_at: jax.Array | None = None,
+    int8_at: jax.Array | None = None,
     chunk_spec: ChunkSpec | Any | None = None,
     with_entropy: bool = True,
 ) -> tuple[jax.Array, jax.Array | None, dict]:
@@ -177,6 +188,7 @@ def sequence_logprobs(
         the chunked path treats every row as the sampler did).
       replay_routes: int32 [B, T, L, k] routes to force (routing replay), MoE only.
       evict_at: int32 [B, T] recorded KV evictions to replay (parity policies only).
+      int8_at: int32 [B, T] recorded int8 KV decisions to replay (parity policies only).
       chunk_spec: ``ChunkSpec`` (or anything :func:`as_chunk_spec` accepts); required by parity
         policies.
       with_entropy: also return the per-token entropy of the predictive distribution.
@@ -186,8 +198,8 @@ def sequence_logprobs(
       (``routes`` [B, T, L, k] and scalar MoE losses).
 
     Raises:
-      ValueError: a parity policy without ``chunk_spec``, ``evict_at`` without a parity
-        policy, or a bad tokens shape.
+      ValueError: a parity policy without ``chunk_spec``, ``evict_at``/``int8_at`` without a
+        parity policy, or a bad tokens shape.
     """
     model = with_policy(model, policy)
     if tokens.ndim != 2 or tokens.shape[1] < 2:
@@ -200,11 +212,17 @@ def sequence_logprobs(
                 "chunk, page_size, max_len)"
             )
         logits, extras = chunked_logits(
-            model, params, tokens, spec, evict_at=evict_at, replay_routes=replay_routes
+            model,
+            params,
+            tokens,
+            spec,
+            evict_at=evict_at,
+            int8_at=int8_at,
+            replay_routes=replay_routes,
         )
     else:
-        if evict_at is not None:
-            raise ValueError("evict_at (KV-mask replay) needs a parity policy")
+        if evict_at is not None or int8_at is not None:
+            raise ValueError("evict_at / int8_at (KV-mask replay) needs a parity policy")
         logits, _, extras = model.apply(params, tokens, valid=valid, replay_routes=replay_routes)
     logp = fixed_order_logprobs(logits[:, :-1], tokens[:, 1:])
     entropy = token_entropy(logits[:, :-1]) if with_entropy else None

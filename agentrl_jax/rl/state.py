@@ -51,8 +51,9 @@ class RLConfig:
       log_mismatch: compute rollout-vs-train mismatch metrics every step (from the pre-update
         pass; free with old_logprobs='recompute').
       use_routing_replay: recompute with ``batch['routes']`` forced as the MoE routes.
-      use_kv_mask_replay: replay the rollout's KV evictions (``batch['kv_evict_at']``) in the
-        recompute; needs a parity policy (the chunked path).
+      use_kv_mask_replay: replay the rollout's KV evictions (``batch['kv_evict_at']``) and int8
+        KV decisions (``batch['kv_int8_at']``, when present) in the recompute; needs a parity
+        policy (the chunked path).
       max_consecutive_nonfinite: non-finite steps in a row after which ``FallbackController``
         switches to ``fallback_policy`` (>= 0; 0 disables the fallback).
       fallback_policy: dtype-policy preset used during a fallback.

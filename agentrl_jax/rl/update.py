@@ -25,7 +25,8 @@ Batch (numpy or jax arrays, B sequences padded to T; see the trajectory contract
   advantages f32 [B,T] (on action tokens, from ``rl.advantages``); rollout_logprobs f32 [B,T]
   (needed by old_logprobs='rollout', mismatch metrics and corrections); ref_logprobs f32 [B,T]
   (when loss.kl_coef > 0); routes int32 [B,T,L,k] (MoE; required by routing replay);
-  kv_evict_at int32 [B,T] (KV-mask replay, parity policies; see ``rollout.trajectory``).
+  kv_evict_at int32 [B,T] (KV-mask replay, parity policies; see ``rollout.trajectory``);
+  kv_int8_at int32 [B,T] (optional: int8 KV decisions, replayed with the evictions).
 
 Shape legend: B sequences, T tokens, L MoE layers, k experts per token, M minibatches,
 U micro-batches per minibatch.
@@ -116,6 +117,11 @@ def prepare_batch(batch: dict, rl_cfg: RLConfig, model: Transformer) -> dict[str
         if tuple(evict.shape) != shape:
             raise ValueError(f"batch['kv_evict_at'] must have shape {shape}, got {evict.shape}")
         data["evict_at"] = evict
+        if batch.get("kv_int8_at") is not None:
+            int8 = jnp.asarray(batch["kv_int8_at"], jnp.int32)
+            if tuple(int8.shape) != shape:
+                raise ValueError(f"batch['kv_int8_at'] must have shape {shape}, got {int8.shape}")
+            data["int8_at"] = int8
     return data
 
 
@@ -200,6 +206,7 @@ def make_grad_fn(
             valid=x["valid"],
             replay_routes=x.get("routes"),
             evict_at=x.get("evict_at"),
+            int8_at=x.get("int8_at"),
             chunk_spec=spec,
         )
         loss, metrics = policy_loss(
@@ -265,11 +272,13 @@ def _pre_update(model, rl_cfg, spec, params, data):
             x["tokens"],
             valid=x["valid"],
             replay_routes=x.get("routes"),
+            evict_at=x.get("evict_at"),
+            int8_at=x.get("int8_at"),
             chunk_spec=spec,
         )
         return logp, ent, extras.get("routes")
 
-    keys = [k for k in ("tokens", "valid", "routes") if k in data]
+    keys = [k for k in ("tokens", "valid", "routes", "evict_at", "int8_at") if k in data]
     x = {k: data[k] for k in keys}
     if mbs == b:
         out = run(x)

@@ -78,6 +78,7 @@ class RolloutStats:
     admission_waits: int = 0
     max_pages_in_use: int = 0
     evicted_tokens: int = 0
+    int8_tokens: int = 0
 
 
 def run_episodes(
@@ -162,11 +163,24 @@ def run_episodes(
         state = sampler.reset_slots(state, np.zeros(n_slots, bool), pool.tables)
         pool.dirty = False
     evicting = eviction is not None and eviction.threshold > 0
-    if eviction is not None and eviction.int8:
-        raise ValueError("EvictionConfig.int8=True is not implemented yet (use eviction)")
+    int8 = evicting and eviction.int8
     never = np.iinfo(np.int32).max
     evict_np = np.full((n_slots, cfg.max_len), never, np.int32)  # host mirror of evict_at
+    int8_np = np.full((n_slots, cfg.max_len), never, np.int32)  # host mirror of int8_at
     dirty = {"evict": False, "mass": None}
+
+    def kv_bytes(rec: EpisodeRecord) -> int:
+        n = len(rec.tokens)
+        q8 = [p for p, at in rec.int8_at.items() if at <= n]  # in effect at this length
+        pages = len({p // cfg.page_size for p in q8})
+        return kv_bytes_per_seq(mcfg, policy, n, cfg.page_size, len(q8), int8_pages=pages)
+
+    def sync(state):
+        """Uploads the host mirrors of evict_at / int8_at when a decision changed them."""
+        if dirty["evict"]:
+            state = state._replace(evict_at=jnp.asarray(evict_np), int8_at=jnp.asarray(int8_np))
+            dirty["evict"] = False
+        return state
 
     records: list[EpisodeRecord | None] = [None] * len(tasks)
     slots: list[_Slot | None] = [None] * n_slots
@@ -196,7 +210,8 @@ def run_episodes(
         return max(cands, key=lambda i: slots[i].admitted) if cands else None
 
     def evict_blocks(s: int) -> None:
-        """Evicts finished observation blocks of slot ``s`` that later tokens barely attend."""
+        """Evicts (or, with ``eviction.int8``, moves to int8) finished observation blocks of
+        slot ``s`` that later tokens barely attend."""
         slot = slots[s]
         n = len(slot.rec.tokens)  # everything so far is cached
         if dirty["mass"] is None:
@@ -207,7 +222,7 @@ def run_episodes(
         for block in slot.blocks:
             lo, hi, done = block
             if done:
-                if block[2] <= n and pool is not None:  # now invisible: free whole pages
+                if block[2] <= n and pool is not None and not int8:  # invisible: free pages
                     ps = cfg.page_size
                     pool.release_pages(s, range(-(-lo // ps), hi // ps))
                 continue
@@ -216,10 +231,14 @@ def run_episodes(
             share = float(mass[lo:hi].sum()) / (sampler.n_paged_layers * (n - hi))
             if share < eviction.threshold:
                 block[2] = at
-                evict_np[s, lo:hi] = at
+                (int8_np if int8 else evict_np)[s, lo:hi] = at
+                record = slot.rec.int8_at if int8 else slot.rec.evict_at
                 for pos in range(lo, hi):
-                    slot.rec.evict_at[pos] = at
-                stats.evicted_tokens += hi - lo
+                    record[pos] = at
+                if int8:
+                    stats.int8_tokens += hi - lo
+                else:
+                    stats.evicted_tokens += hi - lo
                 dirty["evict"] = True
 
     def end_turn(s: int) -> None:
@@ -241,7 +260,7 @@ def run_episodes(
         if not res.done and goal_every and slot.turn % goal_every == 0:
             extra = list(slot.goal)
         new = list(obs) + extra
-        kv = kv_bytes_per_seq(mcfg, policy, len(rec.tokens), cfg.page_size)
+        kv = kv_bytes(rec)
         logs.append(
             dict(
                 episode=rec.uid,
@@ -254,6 +273,7 @@ def run_episodes(
                 pages_in_use=pool.owned(s) if pool else -(-len(rec.tokens) // cfg.page_size),
                 pool_pages_in_use=pool.in_use if pool else None,
                 kv_bytes=kv,
+                int8_tokens=sum(at <= len(rec.tokens) for at in rec.int8_at.values()),
                 tokens_so_far=len(rec.tokens),
                 new_tokens=len(action),
                 prefill_tokens=0 if res.done else min(len(new), room),
@@ -304,9 +324,12 @@ def run_episodes(
                 slot.admitted = admitted
                 slot.cached = 0
                 evict_np[s] = never
+                int8_np[s] = never
                 for pos, at in slot.rec.evict_at.items():
                     evict_np[s, pos] = at
-                dirty["evict"] = dirty["evict"] or bool(slot.rec.evict_at)
+                for pos, at in slot.rec.int8_at.items():
+                    int8_np[s, pos] = at
+                dirty["evict"] = dirty["evict"] or bool(slot.rec.evict_at or slot.rec.int8_at)
                 admitted += 1
                 slots[s] = slot
                 reset[s] = True
@@ -338,9 +361,7 @@ def run_episodes(
             if pool is not None and pool.dirty:
                 state = sampler.reset_slots(state, np.zeros(n_slots, bool), pool.tables.copy())
                 pool.dirty = False
-            if dirty["evict"]:
-                state = state._replace(evict_at=jnp.asarray(evict_np))
-                dirty["evict"] = False
+            state = sync(state)
             width = sampler.prefill_width(n_new.max())
             toks = np.zeros((n_slots, width), np.int32)
             for s in np.nonzero(n_new)[0]:
@@ -394,9 +415,7 @@ def run_episodes(
                 state = sampler.reset_slots(state, np.zeros(n_slots, bool), pool.tables.copy())
                 pool.dirty = False
             stats.max_pages_in_use = max(stats.max_pages_in_use, pool.in_use)
-        if dirty["evict"]:
-            state = state._replace(evict_at=jnp.asarray(evict_np))
-            dirty["evict"] = False
+        state = sync(state)
         uids = np.asarray([sl.rec.uid if sl is not None else 0 for sl in slots], np.int32)
         stop_after = 1 if continuous else int(active.sum())
         state, out = sampler.decode(params, state, rng, uids, active, budget, np.int32(stop_after))

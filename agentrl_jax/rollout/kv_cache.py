@@ -11,9 +11,17 @@ loop: ``ensure`` answers False and the agent loop makes admission wait or preemp
 Eviction (``EvictionConfig``): after a model turn, the tokens of *finished* tool-output blocks
 (observations followed by at least one later model turn) whose accumulated attention from later
 tokens stays under ``threshold`` are evicted from the F/D layers (their pages are freed when a
-whole page is evicted), or with ``int8=True`` recorded as int8-quantised instead. The decision
-takes effect at the next prefill-chunk-aligned position and is recorded per token
-(``Trajectory.kv_evict_at``), so training replays exactly the same visibility.
+whole page is evicted), or with ``int8=True`` moved to int8 instead: their K and V in the F/D
+pools are replaced by the int8 round trip with one fp32 scale per (logical page, KV head) over
+the page's int8 tokens (``model.kv_quant``). The decision takes effect at the next
+prefill-chunk-aligned position and is recorded per token (``Trajectory.kv_evict_at`` /
+``kv_keep_mask``, ``kv_int8_at`` / ``kv_int8_mask``), so training replays exactly the same
+visibility and the same quantised values (bitwise under parity policies).
+
+int8 storage is *simulated*: the pool keeps its float dtype and holds the dequantised values
+(numerically what an int8 page store returns; no device memory is freed yet).
+:func:`kv_bytes_per_seq` reports the footprint of an int8 page store (1 byte per element plus the
+scales), i.e. the saving the decisions would buy, not the bytes of the simulated buffers.
 """
 
 from __future__ import annotations
@@ -23,28 +31,46 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from agentrl_jax.model.attention import pool_dtype
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.precision import DTypePolicy
 
 
 def _itemsize(policy: DTypePolicy) -> int:
-    return jnp.dtype(policy.kv_cache).itemsize
+    """Bytes per float K/V element (the pool dtype; the compute dtype under int8 policies)."""
+    return jnp.dtype(pool_dtype(policy)).itemsize
 
 
 def kv_bytes_per_seq(
-    cfg: ModelConfig, policy: DTypePolicy, n_tokens: int, page_size: int, int8_tokens: int = 0
+    cfg: ModelConfig,
+    policy: DTypePolicy,
+    n_tokens: int,
+    page_size: int,
+    int8_tokens: int = 0,
+    int8_pages: int | None = None,
 ) -> int:
-    """KV bytes one sequence of ``n_tokens`` holds: S rings + pages of F/D layers.
+    """KV bytes one sequence of ``n_tokens`` holds in an int8-capable page store.
 
-    ``int8_tokens`` of the paged tokens are counted at 1 byte plus one fp32 scale per page/head.
+    S rings (``window`` tokens, float) + the allocated pages of F/D layers, where ``int8_tokens``
+    of the paged tokens cost 1 byte per element plus one fp32 scale per (page, KV head) for K and
+    V over ``int8_pages`` pages (default ``ceil(int8_tokens / page_size)``) and every other slot
+    of an allocated page costs the pool dtype. Under a ``kv_cache_dtype='int8'`` policy every
+    complete page is int8 (the tail page stays float). Float elements use the pool dtype
+    (``model.attention.pool_dtype``). int8 is simulated in the rollout (module docstring): this
+    is the footprint of int8 storage, not of the simulated float buffers.
     """
     counts = cfg.layer_counts()
     per_tok = 2 * cfg.n_kv_heads * cfg.head_dim  # k and v
     ring = counts["S"] * cfg.window * per_tok * _itemsize(policy) if n_tokens else 0
     pages = -(-n_tokens // page_size)
+    if int8_pages is None:
+        int8_pages = -(-int8_tokens // page_size)
+    if policy.kv_cache_dtype == "int8":
+        int8_tokens = max(int8_tokens, (n_tokens // page_size) * page_size)
+        int8_pages = max(int8_pages, n_tokens // page_size)
     paged_layers = counts["F"] + counts["D"]
     full = (pages * page_size - int8_tokens) * per_tok * _itemsize(policy)
-    q8 = int8_tokens * per_tok + (-(-int8_tokens // page_size)) * 2 * cfg.n_kv_heads * 4
+    q8 = int8_tokens * per_tok + int8_pages * 2 * cfg.n_kv_heads * 4
     return int(ring + paged_layers * (full + q8))
 
 
@@ -163,7 +189,8 @@ class EvictionConfig:
     Attributes:
       threshold: a finished observation block is compressed when the mean attention mass later
         tokens put on it (``block_attention``) is below this. 0 disables.
-      int8: quantise to int8 (recorded in ``kv_int8_mask``) instead of evicting.
+      int8: move the block's F/D-layer K/V to int8 (per-page, per-head fp32 scales; recorded in
+        ``kv_int8_at`` / ``kv_int8_mask``) instead of evicting it.
       min_block: blocks shorter than this are left alone.
     """
 

@@ -5,8 +5,9 @@
     decode chunk, page size and cache capacity, over micro-batches of the sampler's slot count;
     the result equals the rollout's logprobs bitwise (tested), MoE included;
   * otherwise the plain teacher-forced pass (fast; its mismatch is measured, not zero).
-With ``replay_kv`` the recorded KV eviction (``Trajectory.kv_evict_at``) is applied chunk by
-chunk, so a compressed rollout stays on-policy; without it training sees the full context.
+With ``replay_kv`` the recorded KV eviction (``Trajectory.kv_evict_at``) and int8 decisions
+(``Trajectory.kv_int8_at``) are applied chunk by chunk, so a compressed rollout stays on-policy;
+without it training sees the full-precision, full context.
 """
 
 from __future__ import annotations
@@ -25,14 +26,23 @@ from agentrl_jax.rollout.trajectory import Trajectory
 _NEVER = np.iinfo(np.int32).max
 
 
-def _chunked_forward(model, params, tokens, evict_at, replay_routes, *, chunk, page_size, max_len):
+def _chunked_forward(
+    model, params, tokens, evict_at, int8_at, replay_routes, *, chunk, page_size, max_len
+):
     """The trainer's chunked pass (``rl.logprobs.chunked_logits``): one implementation of the
-    sampler's computation, with per-chunk KV visibility ``keep = chunk_start < evict_at``."""
+    sampler's computation, with per-chunk KV visibility ``keep = chunk_start < evict_at`` and
+    int8 round trips from ``int8_at`` on."""
     from agentrl_jax.rl.logprobs import ChunkSpec, chunked_logits
 
     spec = ChunkSpec(chunk=chunk, page_size=page_size, max_len=max_len)
     logits, extras = chunked_logits(
-        model, params, tokens, spec, evict_at=evict_at, replay_routes=replay_routes
+        model,
+        params,
+        tokens,
+        spec,
+        evict_at=evict_at,
+        int8_at=int8_at,
+        replay_routes=replay_routes,
     )
     return logits, extras.get("routes")
 
@@ -44,12 +54,14 @@ def sequence_logprobs(
     sampling_cfg: SamplingConfig | None = None,
     *,
     evict_at: jax.Array | None = None,
+    int8_at: jax.Array | None = None,
     replay_routes: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Jittable, differentiable logprobs of ``tokens`` as training computes them.
 
     Under ``model.policy.parity`` the chunked pass of the sampler (``sampling_cfg`` chunk, page
-    size, max_len; optional recorded ``evict_at`` int32 [B, T]); else the plain teacher pass.
+    size, max_len; optional recorded ``evict_at`` / ``int8_at`` int32 [B, T]); else the plain
+    teacher pass.
     Logprobs use :func:`fixed_order_logprobs` like the sampler.
 
     Args:
@@ -67,14 +79,15 @@ def sequence_logprobs(
             params,
             tokens,
             evict_at,
+            int8_at,
             replay_routes,
             chunk=sampling_cfg.chunk,
             page_size=sampling_cfg.page_size,
             max_len=sampling_cfg.max_len,
         )
     else:
-        if evict_at is not None:
-            raise ValueError("evict_at (KV replay) needs a parity policy")
+        if evict_at is not None or int8_at is not None:
+            raise ValueError("evict_at / int8_at (KV replay) needs a parity policy")
         logits, _, extras = model.apply(params, tokens, replay_routes=replay_routes)
         routes = extras.get("routes")
     lp = fixed_order_logprobs(logits[:, :-1], tokens[:, 1:])
@@ -86,9 +99,14 @@ def _logprob_fn(model_cfg, policy: DTypePolicy, sampling_cfg: SamplingConfig | N
     model = Transformer(model_cfg, policy)
 
     @jax.jit
-    def fn(params, tokens, evict_at):
+    def fn(params, tokens, evict_at, int8_at):
         return sequence_logprobs(
-            model, params, tokens, sampling_cfg, evict_at=evict_at if replay else None
+            model,
+            params,
+            tokens,
+            sampling_cfg,
+            evict_at=evict_at if replay else None,
+            int8_at=int8_at if replay == "int8" else None,
         )
 
     return fn
@@ -112,7 +130,8 @@ def trainer_logprobs(
       policy: dtype policy; ``policy.parity`` selects the chunked parity path.
       sampling_cfg: the sampler's config (chunk, page size, max_len); required for parity.
       n_slots: the sampler's batch size (default B); parity runs micro-batches of this size.
-      replay_kv: apply the recorded ``kv_evict_at`` (parity path only).
+      replay_kv: apply the recorded ``kv_evict_at`` and, when the trajectory has int8 decisions,
+        ``kv_int8_at`` (parity path only).
 
     Returns:
       (logp float32 [B, T] with logp[:, t] = log p(tokens[:, t] | tokens[:, :t]) and 0 at
@@ -131,21 +150,23 @@ def trainer_logprobs(
         c, m = sampling_cfg.chunk, sampling_cfg.max_len
         if t % c or t > m:
             raise ValueError(f"traj length {t} must be a multiple of chunk={c} and <= {m}")
-    fn = _logprob_fn(model.cfg, policy, sampling_cfg if policy.parity else None, replay_kv)
     if replay_kv and (traj.kv_evict_at is None or not policy.parity):
         raise ValueError("replay_kv needs traj.kv_evict_at and a parity policy")
-    evict = (
-        np.asarray(traj.kv_evict_at, np.int32) if replay_kv else np.full((b, t), _NEVER, np.int32)
-    )
+    never = np.full((b, t), _NEVER, np.int32)
+    evict = np.asarray(traj.kv_evict_at, np.int32) if replay_kv else never
+    int8 = never
+    if replay_kv and traj.kv_int8_at is not None and (np.asarray(traj.kv_int8_at) != _NEVER).any():
+        int8 = np.asarray(traj.kv_int8_at, np.int32)
+    replay = "int8" if int8 is not never else bool(replay_kv)
+    fn = _logprob_fn(model.cfg, policy, sampling_cfg if policy.parity else None, replay)
     mb = b if (n_slots is None or not policy.parity) else n_slots
     outs, routes = [], []
     for lo in range(0, b, mb):
-        tk, ev = tokens[lo : lo + mb], evict[lo : lo + mb]
+        tk, ev, i8 = tokens[lo : lo + mb], evict[lo : lo + mb], int8[lo : lo + mb]
         n = tk.shape[0]
         if n < mb:  # pad the last micro-batch with copies of row 0 (same shapes, discarded)
-            tk = np.concatenate([tk, np.repeat(tk[:1], mb - n, 0)])
-            ev = np.concatenate([ev, np.repeat(ev[:1], mb - n, 0)])
-        lp, rt = fn(params, tk, ev)
+            tk, ev, i8 = (np.concatenate([a, np.repeat(a[:1], mb - n, 0)]) for a in (tk, ev, i8))
+        lp, rt = fn(params, tk, ev, i8)
         outs.append(np.asarray(lp)[:n])
         if rt is not None:
             routes.append(np.asarray(rt)[:n])

@@ -11,7 +11,8 @@ With ``Cp == C`` (forced for ``policy.parity``) every token's logits are compute
 
 Prefill chunks are aligned to multiples of ``Cp`` in absolute position (the first chunk of a
 call may be partial): a chunk never straddles a multiple of ``Cp``, which is where recorded KV
-eviction takes effect (see ``kv_cache.py``), so training replays the same visibility per chunk.
+eviction / int8 quantisation takes effect (see ``kv_cache.py``), so training replays the same
+visibility and the same int8 round trips per chunk.
 
 Logprobs: each sampled token's logprob is ``log_softmax(logits)[token]`` of the fp32 logits
 *before* temperature / top-k / top-p, i.e. the untempered policy that the trainer differentiates
@@ -101,11 +102,14 @@ class DecodeState(NamedTuple):
       logits: float32 [B, V] next-token logits of each slot (after its last cached token).
       evict_at: int32 [B, S] per cached position, the first chunk-start position from which it
         is no longer visible in full/sparse layers (``int32 max`` = never evicted).
+      int8_at: int32 [B, S] per cached position, the chunk-aligned position from which its K/V
+        in full/sparse layers are int8 (``int32 max`` = never; see ``model.attention``).
     """
 
     cache: dict
     logits: jax.Array
     evict_at: jax.Array
+    int8_at: jax.Array
 
 
 class DecodeOut(NamedTuple):
@@ -187,15 +191,17 @@ def sample_tokens(
     return tok, fixed_order_logprobs(logits, tok)
 
 
-def _with_keep(cache: dict, evict_at: jax.Array) -> dict:
-    """Cache whose ``keep`` mask hides keys evicted before this chunk's first position."""
+def _with_keep(cache: dict, state: DecodeState) -> dict:
+    """Cache whose ``keep`` mask hides keys evicted before this chunk's first position, with the
+    recorded int8 decisions (``int8_at``)."""
     out = dict(cache)
-    out["keep"] = cache["lengths"][:, None] < evict_at
+    out["keep"] = cache["lengths"][:, None] < state.evict_at
+    out["int8_at"] = state.int8_at
     return out
 
 
 def _strip_keep(cache: dict) -> dict:
-    return {k: v for k, v in cache.items() if k != "keep"}
+    return {k: v for k, v in cache.items() if k not in ("keep", "int8_at")}
 
 
 class Sampler:
@@ -232,6 +238,7 @@ class Sampler:
             cache=cache,
             logits=jnp.zeros((batch, self.model.cfg.vocab_size), jnp.float32),
             evict_at=jnp.full((batch, self.cfg.max_len), _NEVER, jnp.int32),
+            int8_at=jnp.full((batch, self.cfg.max_len), _NEVER, jnp.int32),
         )
 
     @property
@@ -258,7 +265,8 @@ class Sampler:
             for name, layer in cache["layers"].items()
         }
         evict = jnp.where(mask[:, None], _NEVER, state.evict_at)
-        return DecodeState(cache, state.logits, evict)
+        int8 = jnp.where(mask[:, None], _NEVER, state.int8_at)
+        return DecodeState(cache, state.logits, evict, int8)
 
     @staticmethod
     def attention_mass(state: DecodeState) -> jax.Array:
@@ -302,7 +310,7 @@ class Sampler:
             val = (jnp.arange(cp)[None, :] < cnt[:, None]) & (idx < n_new[:, None])
             tok = jnp.take_along_axis(pad, jnp.minimum(idx, tp + cp - 1), axis=1)
             logits, cache, extras = self.model.apply(
-                params, tok, cache=_with_keep(cache, state.evict_at), valid=val
+                params, tok, cache=_with_keep(cache, state), valid=val
             )
             n_val = jnp.sum(val, axis=1)
             row = jnp.maximum(n_val - 1, 0)
@@ -319,7 +327,7 @@ class Sampler:
         )
         if routes is not None:
             routes = routes[:, :tp]
-        return DecodeState(cache, last, state.evict_at), routes
+        return state._replace(cache=cache, logits=last), routes
 
     def prefill_width(self, n_max: int) -> int:
         """Token-array width for a prefill of at most ``n_max`` new tokens per slot.
@@ -370,7 +378,7 @@ class Sampler:
             toks = jnp.zeros((b, c), jnp.int32).at[:, 0].set(tok)
             valid = jnp.zeros((b, c), bool).at[:, 0].set(live)
             logits, cache, extras = model.apply(
-                params, toks, cache=_with_keep(st.cache, st.evict_at), valid=valid
+                params, toks, cache=_with_keep(st.cache, st), valid=valid
             )
             new_logits = jnp.where(live[:, None], logits[:, 0], st.logits)
             out_tok = out_tok.at[:, i].set(jnp.where(live, tok, 0))
@@ -381,7 +389,7 @@ class Sampler:
                 )
             count = count + live.astype(jnp.int32)
             ended = jnp.any(tok[:, None] == stops[None, :], axis=1) | (count >= budget)
-            st = DecodeState(_strip_keep(cache), new_logits, st.evict_at)
+            st = st._replace(cache=_strip_keep(cache), logits=new_logits)
             return i + 1, st, live & ~ended, count, out_tok, out_lp, out_rt
 
         _, state, live_end, count, out_tok, out_lp, out_rt = jax.lax.while_loop(cond, body, init)

@@ -283,6 +283,7 @@ class RLRun:
                 "rollout_logprobs",
                 "routes",
                 "kv_evict_at",
+                "kv_int8_at",
             )
             if k in batch
         }
