@@ -5,9 +5,12 @@ batching); the trainer then recomputes the logprobs of the sampled tokens with
 ``trainer_logprobs`` (chunked parity pass for ``*-parity`` policies, plain teacher-forced pass
 otherwise) and ``agentrl_jax.rl.mismatch.mismatch_metrics`` compares them.
 
-Keys: bench, variant, policy, kv_option ('full' | 'evict'), replay (KV masks replayed in
-training), max_abs_dlogp, mean_abs_dlogp, routing_agreement, n_tokens, backend, devices,
-jax_version.
+Keys: bench, variant, policy, kv_option ('full' | 'evict' | 'int8': low-attention finished tool
+outputs evicted, or moved to int8 in the F layers), replay (recorded KV masks replayed in
+training), max_abs_dlogp, mean_abs_dlogp, routing_agreement, n_tokens, evicted_tokens,
+int8_tokens, kv_bytes_ratio (per-turn ``kv_bytes`` summed over turns, over the same sum without
+compression: int8 pages counted as int8 storage, see ``rollout.kv_cache``; eviction's freed
+pages are not counted), backend, devices, jax_version.
 
 Usage: python benchmarks/parity.py [--tasks 6] [--slots 3] [--policies fp32-parity,bf16,...]
 """
@@ -28,7 +31,7 @@ from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rl.mismatch import mismatch_metrics
 from agentrl_jax.rollout.agent_loop import run_episodes
-from agentrl_jax.rollout.kv_cache import EvictionConfig
+from agentrl_jax.rollout.kv_cache import EvictionConfig, kv_bytes_per_seq
 from agentrl_jax.rollout.parity import trainer_logprobs
 from agentrl_jax.rollout.sampler import SamplingConfig
 
@@ -60,7 +63,9 @@ def measure(policy_name, kv_option, args, params, tok, tasks):
         chunk=4,
         prefill_chunk=None if policy.parity else 16,
     )
-    eviction = EvictionConfig(threshold=0.5, min_block=4) if kv_option == "evict" else None
+    eviction = None
+    if kv_option in ("evict", "int8"):
+        eviction = EvictionConfig(threshold=0.5, min_block=4, int8=kv_option == "int8")
     traj = run_episodes(
         model,
         params,
@@ -99,6 +104,14 @@ def measure(policy_name, kv_option, args, params, tok, tasks):
                 evicted_tokens=int(
                     0 if traj.kv_keep_mask is None else (~np.asarray(traj.kv_keep_mask)).sum()
                 ),
+                int8_tokens=int(
+                    0 if traj.kv_int8_mask is None else np.asarray(traj.kv_int8_mask).sum()
+                ),
+                kv_bytes_ratio=sum(r["kv_bytes"] for r in traj.logs)
+                / sum(
+                    kv_bytes_per_seq(MODEL, policy, r["tokens_so_far"], cfg.page_size)
+                    for r in traj.logs
+                ),
                 model=f"{MODEL.layer_pattern} L{MODEL.n_layers} d{MODEL.d_model} moe",
                 backend=jax.default_backend(),
                 devices=jax.device_count(),
@@ -114,7 +127,7 @@ def main(argv=None) -> None:
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--policies", default="fp32-parity,bf16-parity,fp32,bf16")
-    ap.add_argument("--kv", default="full,evict")
+    ap.add_argument("--kv", default="full,evict,int8")
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO)
     tok = CodeTokenizer()
@@ -122,7 +135,7 @@ def main(argv=None) -> None:
     params = init_params(Transformer(MODEL, get_policy("fp32")), jax.random.key(0))
     for name in args.policies.split(","):
         for kv in args.kv.split(","):
-            if kv == "evict" and not get_policy(name).parity:
+            if kv != "full" and not get_policy(name).parity:
                 continue  # KV replay needs the chunked parity pass
             for line in measure(name, kv, args, params, tok, tasks):
                 print(json.dumps(line), flush=True)
