@@ -12,7 +12,10 @@ Presets (``get_policy(name)``):
                 the same numbers; hardware fp8 units are a later optimisation).
   fp32-parity   fp32, and training recomputes logprobs with the rollout's chunk function so the
   bf16-parity   bf16,  sampler's and trainer's logprobs are bitwise equal (see rollout/).
-  bf16-int8kv   bf16 with an int8 KV cache (per-page, per-head scales).
+  bf16-int8kv   bf16 with an int8 KV cache (per-page, per-head scales): every completed F/D page
+                is int8 round-tripped in the rollout cache (simulated in bf16 buffers, see
+                ``model.kv_quant``); training's teacher-forced pass does not quantise (measured
+                mismatch, not a parity policy).
 """
 
 from __future__ import annotations
