@@ -46,17 +46,18 @@ def get_config(arg=None):
     from agentrl_jax.train.sft import SFTConfig
 
     sft = _section(cfg, "sft", SFTConfig)
-    sft.steps = 1200
+    sft.steps = 2300
     sft.batch_size = 16
     sft.lr = 3e-3
     sft.warmup_steps = 40
     sft.lm_weight = 0.5  # LM loss on program/observation tokens: copy skill, code prior
-    sft.detour_prob = 0.1
+    sft.detour_prob = 0.3  # wrong edits / rejected calls then the fix (no loss on the mistake)
     sft.difficulties = (1,)  # medium
-    # First half: demonstrations cropped to the 96 tokens ending with the fix (the run output
-    # that locates the bug, then the edit): ~0.4 CPU-s per step vs ~1.6 for whole episodes.
+    # First 78% of steps: demonstrations cropped to the 96 tokens ending with the fix (the run
+    # output that locates the bug, then the edit): ~0.2 CPU-s per step vs ~0.8 for whole
+    # episodes; the rest on whole episodes (run, recover, submit).
     sft.curriculum_difficulties = (0, 1)
-    sft.curriculum_fraction = 0.5
+    sft.curriculum_fraction = 0.78
     sft.curriculum_crop_len = 96
     sft.buckets = (320, 384)
     ev = _section(cfg, "eval", EvalConfig)

@@ -7,7 +7,11 @@ it failed, then the fix). It is stored as numpy arrays (T = episode tokens):
   * ``tokens`` int32 [T]: the whole episode stream (prompt, turns, observations);
   * ``action_mask`` bool [T]: tokens the expert (the policy) emitted;
   * ``fix_mask`` bool [T]: action tokens of the turns that change the program (``edit``/``sub``),
-    the turns that decide success (``run`` and ``submit`` turns are easy to imitate);
+    the turns that decide success (``run`` and ``submit`` turns are easy to imitate); detours
+    excluded;
+  * ``detour_mask`` bool [T]: action tokens of detour turns (a wrong edit or a rejected call the
+    expert makes on purpose): the SFT loss skips them, so the model learns to recover from the
+    observation that follows without learning to make the mistake;
   * ``turn_ids`` int32 [T]: 0 on the prompt, k on the k-th turn and its observation.
 
 Crops (``crop_demo``): with ``crop_len > 0`` a demonstration is cut to the ``crop_len`` tokens
@@ -39,7 +43,7 @@ from agentrl_jax.envs.coderepair import CodeRepairEnv, CodeTokenizer, ExpertPoli
 from agentrl_jax.envs.episode import play_episode
 
 FIX_TOOLS = ("edit", "sub")
-DEMO_KEYS = ("tokens", "action_mask", "fix_mask", "turn_ids")
+DEMO_KEYS = ("tokens", "action_mask", "fix_mask", "detour_mask", "turn_ids")
 
 
 def demo_episode(
@@ -58,7 +62,8 @@ def demo_episode(
       detour_seed: randomness of the detours.
 
     Returns:
-      ``{"tokens", "action_mask", "fix_mask", "turn_ids"}`` numpy arrays of length T (see the
+      ``{"tokens", "action_mask", "fix_mask", "detour_mask", "turn_ids"}`` numpy arrays of
+      length T (see the
       module docstring), plus ``"success"`` (bool), ``"bug_types"`` and ``"seed"``.
 
     Raises:
@@ -67,12 +72,18 @@ def demo_episode(
     task = make_task(int(spec["seed"]), int(spec["difficulty"]), bug_types=tuple(spec["bug_types"]))
     policy = ExpertPolicy(task, tokenizer, detour_prob=detour_prob, seed=detour_seed)
     ep = play_episode(CodeRepairEnv(tokenizer), task, policy)
-    fix_turns = [k + 1 for k, log in enumerate(ep.logs) if log.get("tool") in FIX_TOOLS]
+    detour_turns = sorted(policy.detour_turns)
+    fix_turns = [
+        k + 1
+        for k, log in enumerate(ep.logs)
+        if log.get("tool") in FIX_TOOLS and k + 1 not in policy.detour_turns
+    ]
     fix_mask = ep.action_mask & np.isin(ep.turn_ids, fix_turns)
     return {
         "tokens": ep.tokens,
         "action_mask": ep.action_mask,
         "fix_mask": fix_mask,
+        "detour_mask": ep.action_mask & np.isin(ep.turn_ids, detour_turns),
         "turn_ids": ep.turn_ids,
         "success": ep.success,
         "bug_types": task.bug_types,
@@ -135,8 +146,8 @@ def pad_batch(demos: Sequence[Mapping[str, Any]], buckets: Sequence[int], pad_id
       pad_id: token id used for padding.
 
     Returns:
-      ``{"tokens" int32 [B, L], "valid" bool [B, L], "action_mask" bool [B, L], "fix_mask"
-      bool [B, L], "turn_ids" int32 [B, L] (-1 on padding)}`` with L the bucket of the longest.
+      ``{"tokens" int32 [B, L], "valid", "action_mask", "fix_mask", "detour_mask" bool [B, L],
+      "turn_ids" int32 [B, L] (-1 on padding)}`` with L the bucket of the longest.
 
     Raises:
       ValueError: empty ``demos``, unsorted ``buckets`` or an episode longer than every bucket.
@@ -155,6 +166,7 @@ def pad_batch(demos: Sequence[Mapping[str, Any]], buckets: Sequence[int], pad_id
         "valid": np.zeros((b, length), bool),
         "action_mask": np.zeros((b, length), bool),
         "fix_mask": np.zeros((b, length), bool),
+        "detour_mask": np.zeros((b, length), bool),
         "turn_ids": np.full((b, length), -1, np.int32),
     }
     for i, d in enumerate(demos):
@@ -163,6 +175,8 @@ def pad_batch(demos: Sequence[Mapping[str, Any]], buckets: Sequence[int], pad_id
         out["valid"][i, :n] = True
         out["action_mask"][i, :n] = d["action_mask"]
         out["fix_mask"][i, :n] = d["fix_mask"]
+        if "detour_mask" in d:
+            out["detour_mask"][i, :n] = d["detour_mask"]
         out["turn_ids"][i, :n] = d["turn_ids"]
     return out
 

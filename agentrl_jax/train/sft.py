@@ -7,7 +7,8 @@ token t+1:
 
     loss = mean_{action tokens} nll + lm_weight * mean_{other valid tokens} nll
 
-Action tokens are the expert's (``action_mask``); ``lm_weight > 0`` adds a language-model loss on
+Action tokens are the expert's (``action_mask``) minus its deliberate detours (``detour_mask``,
+which neither term trains on); ``lm_weight > 0`` adds a language-model loss on
 prompt and observation tokens (program text, test output, value traces), which teaches the
 model the code idioms and the copy skill an edit needs from far more tokens than the actions
 alone. Both means are over the batch's tokens of that kind (a batch without such tokens
@@ -195,7 +196,8 @@ def sft_loss(
     Args:
       logits: float32 [B, T, V], ``model.apply(params, batch["tokens"])``.
       batch: ``tokens`` int32 [B, T], ``valid``, ``action_mask``, ``fix_mask`` bool [B, T],
-        ``turn_ids`` int32 [B, T] (``demos.pad_batch`` layout).
+        optional ``detour_mask`` bool [B, T] (skipped by both terms), ``turn_ids`` int32
+        [B, T] (``demos.pad_batch`` layout).
       lm_weight: weight of the LM term on valid non-action tokens (>= 0).
 
     Returns:
@@ -207,6 +209,8 @@ def sft_loss(
     act = batch["action_mask"][:, 1:]
     fix = batch["fix_mask"][:, 1:]
     other = batch["valid"][:, 1:] & ~act
+    if "detour_mask" in batch:  # the expert's deliberate mistakes: no loss on them
+        act = act & ~batch["detour_mask"][:, 1:]
     action_nll = _masked_mean(nll, act)
     lm_nll = _masked_mean(nll, other)
     loss = action_nll + lm_weight * lm_nll

@@ -5,7 +5,7 @@ import pytest
 
 from agentrl_jax.envs.coderepair.config import HELDOUT_SEED_START
 from agentrl_jax.envs.coderepair.env import CodeRepairEnv
-from agentrl_jax.envs.coderepair.expert import ExpertPolicy, expert_plan
+from agentrl_jax.envs.coderepair.expert import ExpertPolicy, expert_plan, expert_plan_detours
 from agentrl_jax.envs.coderepair.task import make_task
 from agentrl_jax.envs.episode import play_episode
 
@@ -25,21 +25,30 @@ def test_expert_solves_every_task(difficulty):
         assert env.tokenizer.unk_id not in ep.tokens
 
 
-def test_detours_are_failed_edits_then_fixes():
+def test_detours_are_failed_edits_or_rejected_calls_then_fixes():
     env = CodeRepairEnv()
-    n_detours = 0
-    for seed in range(10):
+    kinds = {"wrong_edit": 0, "slip": 0}
+    for seed in range(16):
         task = make_task(seed, 1)
-        plan = expert_plan(task, detour_prob=1.0, seed=seed)
-        ep = play_episode(env, task, ExpertPolicy(task, detour_prob=1.0, seed=seed))
+        plan, detours = expert_plan_detours(task, detour_prob=1.0, seed=seed)
+        assert plan == expert_plan(task, detour_prob=1.0, seed=seed)
+        policy = ExpertPolicy(task, detour_prob=1.0, seed=seed)
+        assert policy.detour_turns == {k + 1 for k in detours}
+        ep = play_episode(env, task, policy)
         assert ep.success
         tools = [log["tool"] for log in ep.logs]
         assert tools == [p[0] for p in plan]
-        if tools[:4] == ["run", "edit", "run", "edit"]:
-            n_detours += 1
-            # The run after the wrong edit still fails.
-            assert "fail" in ep.logs[2]["output"] or "error" in ep.logs[2]["output"]
-    assert n_detours >= 8
+        assert len(detours) == 1
+        (k,) = detours
+        if ep.logs[k]["error"]:
+            kinds["slip"] += 1  # a sub of a word the line does not hold, then the fix
+            assert tools[k] == "sub" and "has no" in ep.logs[k]["output"]
+            assert tools[k + 1] in ("sub", "edit") and not ep.logs[k + 1]["error"]
+        else:
+            kinds["wrong_edit"] += 1  # the run after the wrong edit still fails
+            assert tools[k : k + 3] == ["edit", "run", "edit"]
+            assert "fail" in ep.logs[k + 1]["output"] or "error" in ep.logs[k + 1]["output"]
+    assert kinds["slip"] >= 3 and kinds["wrong_edit"] >= 3, kinds
     with pytest.raises(ValueError, match="detour_prob"):
         expert_plan(make_task(0, 0), detour_prob=1.5)
 

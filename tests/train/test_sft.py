@@ -176,3 +176,39 @@ def test_run_sft_smoke(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     assert isinstance(optax.global_norm(params), jax.Array)
+
+
+def test_sft_loss_skips_detour_tokens():
+    rng = np.random.default_rng(1)
+    batch = _random_batch(rng)
+    detour = batch["action_mask"] & (batch["turn_ids"] == 1)
+    assert detour[:, 1:].any()
+    logits = rng.normal(size=(3, 24, 40)).astype(np.float32)
+    loss_fn = jax.jit(sft_loss, static_argnums=2)
+    loss, _ = loss_fn(jnp.asarray(logits), {**batch, "detour_mask": detour}, 0.3)
+    # the detour tokens are neither action nor LM tokens: equal to dropping them from the batch
+    dropped = {**batch, "action_mask": batch["action_mask"] & ~detour}
+    dropped["valid"] = batch["valid"] & ~detour
+    ref, *_ = _sft_loss_reference(logits, dropped, 0.3)
+    np.testing.assert_allclose(float(loss), ref, rtol=1e-5)
+    # and changing the logits that predict detour tokens changes nothing
+    moved = logits.copy()
+    moved[:, :-1][detour[:, 1:]] += rng.normal(size=(int(detour[:, 1:].sum()), 40)) * 5
+    loss2, _ = loss_fn(jnp.asarray(moved), {**batch, "detour_mask": detour}, 0.3)
+    np.testing.assert_allclose(float(loss2), float(loss), rtol=1e-6)
+
+
+def test_demo_detour_mask_marks_only_detour_turns():
+    tok = CodeTokenizer()
+    n = 0
+    for seed in range(6):
+        d = demo_episode({"seed": seed, "difficulty": 1, "bug_types": ("logic",)}, tok,
+                         detour_prob=1.0, detour_seed=seed)  # fmt: skip
+        assert d["success"]
+        assert not np.any(d["detour_mask"] & ~d["action_mask"])
+        assert not np.any(d["detour_mask"] & d["fix_mask"])
+        words = tok.to_words(d["tokens"][d["detour_mask"]])
+        if words:
+            n += 1
+            assert words[0] == "<call>" and words[1] in ("edit", "sub")
+    assert n >= 4

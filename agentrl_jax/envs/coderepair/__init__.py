@@ -19,7 +19,7 @@ from agentrl_jax.envs.coderepair.config import (
     split_of,
 )
 from agentrl_jax.envs.coderepair.env import PROCESS_KEYS, CodeRepairEnv
-from agentrl_jax.envs.coderepair.expert import ExpertPolicy, expert_plan
+from agentrl_jax.envs.coderepair.expert import ExpertPolicy, expert_plan, expert_plan_detours
 from agentrl_jax.envs.coderepair.task import Task, make_task
 from agentrl_jax.envs.coderepair.tokenizer import CodeTokenizer
 
@@ -37,6 +37,7 @@ __all__ = [
     "Task",
     "difficulty_config",
     "expert_plan",
+    "expert_plan_detours",
     "is_heldout_combo",
     "make_task",
     "seed_range",

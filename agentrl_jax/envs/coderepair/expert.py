@@ -9,8 +9,12 @@ A fix on the line the cursor points at (``run`` sets it) is written without the 
 
 Syntax bugs come first (nothing runs until the program parses), then the others by line. ``view``
 is used only when the prompt does not show the program. With ``detour_prob > 0`` a fix is
-sometimes preceded by a plausible wrong edit of the same line and a ``run`` that shows it did not
-help; the fix then rewrites the whole line (``edit Lk <original line>``).
+sometimes preceded by a detour, either kind with equal probability:
+  * a plausible wrong edit of the same line and a ``run`` that shows it did not help; the fix
+    then rewrites the whole line (``edit Lk <original line>``);
+  * a slip: a ``sub`` of a word the line does not hold, answered by an error observation.
+Detours show recovery from a failed or rejected call; ``ExpertPolicy.detour_turns`` lists them so
+behaviour cloning can learn the recovery without imitating the mistake.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ import random
 
 from agentrl_jax.envs.base import call_tool
 from agentrl_jax.envs.coderepair.bugs import Bug
-from agentrl_jax.envs.coderepair.language import FUNCTION_NAMES, VARIABLES, function_spans
+from agentrl_jax.envs.coderepair.language import (
+    FUNCTION_NAMES,
+    TYPO_TO_NAME,
+    VARIABLES,
+    function_spans,
+)
 from agentrl_jax.envs.coderepair.task import Task
 from agentrl_jax.envs.coderepair.tokenizer import CodeTokenizer
 from agentrl_jax.envs.coderepair.tools import _LINE_ID, RepairState, default_registry
@@ -46,6 +55,16 @@ def _wrong_line(rng: random.Random, bug: Bug) -> tuple[str, ...] | None:
     return None
 
 
+def _slip(rng: random.Random, bug: Bug) -> tuple[str, ...]:
+    """A ``sub`` on the bug line of a word the line does not hold (the tool rejects it)."""
+    line = set(bug.mutated)
+    pairs = [(t, n) for t, n in TYPO_TO_NAME.items() if t not in line]
+    for group in _SWAPS:
+        pairs += [(a, b) for a in group if a not in line for b in group if b != a]
+    old, new = rng.choice(sorted(pairs))
+    return ("sub", f"L{bug.line}", old, new)
+
+
 def _at_cursor(call: tuple[str, ...], cursor: int) -> tuple[str, ...]:
     """``call`` without its line id when it targets the cursor line (``sub Lk A B`` -> ``sub A B``).
 
@@ -58,7 +77,14 @@ def _at_cursor(call: tuple[str, ...], cursor: int) -> tuple[str, ...]:
 
 
 def expert_plan(task: Task, *, detour_prob: float = 0.0, seed: int = 0) -> list[tuple[str, ...]]:
-    """The expert's tool calls (as word tuples) for ``task``.
+    """The expert's tool calls (as word tuples) for ``task``; see ``expert_plan_detours``."""
+    return expert_plan_detours(task, detour_prob=detour_prob, seed=seed)[0]
+
+
+def expert_plan_detours(
+    task: Task, *, detour_prob: float = 0.0, seed: int = 0
+) -> tuple[list[tuple[str, ...]], frozenset[int]]:
+    """The expert's tool calls (as word tuples) for ``task`` and the indices of detour calls.
 
     The plan is played on a copy of the program with the environment's own tools, so the expert
     sees the cursor ``run`` sets and writes ``sub OLD NEW`` / ``edit <line>`` (no line id) when
@@ -79,13 +105,16 @@ def expert_plan(task: Task, *, detour_prob: float = 0.0, seed: int = 0) -> list[
     state = RepairState(task=task, lines=list(task.lines))
     registry = default_registry()
     plan: list[tuple[str, ...]] = []
+    detours: set[int] = set()
 
-    def act(call: tuple[str, ...]) -> None:
+    def act(call: tuple[str, ...], detour: bool = False, rejected: bool = False) -> None:
         call = _at_cursor(call, state.cursor)
+        if detour:
+            detours.add(len(plan))
         plan.append(call)
         res = call_tool(registry, list(call), state, task.config.time_limit_s)
-        if res.error:  # pragma: no cover - the expert's calls are valid by construction
-            raise RuntimeError(f"expert call {call} failed: {res.output}")
+        if res.error != rejected:  # pragma: no cover - the expert's calls are valid by design
+            raise RuntimeError(f"expert call {call} gave {res.output!r}")
 
     viewed: set[str] = set()
     act(("run",))
@@ -97,15 +126,17 @@ def expert_plan(task: Task, *, detour_prob: float = 0.0, seed: int = 0) -> list[
                 act(("view", fn))
         fix = bug.fix
         if detour_prob > 0 and rng.random() < detour_prob:
-            wrong = _wrong_line(rng, bug)
+            wrong = _wrong_line(rng, bug) if rng.random() < 0.5 else None
             if wrong is not None:
-                act(("edit", f"L{bug.line}", *wrong))
+                act(("edit", f"L{bug.line}", *wrong), detour=True)
                 act(("run",))
                 fix = ("edit", f"L{bug.line}", *bug.original)
+            else:
+                act(_slip(rng, bug), detour=True, rejected=True)
         act(fix)
         act(("run",))
     plan.append(("submit",))
-    return plan
+    return plan, frozenset(detours)
 
 
 class ExpertPolicy:
@@ -126,7 +157,8 @@ class ExpertPolicy:
         seed: int = 0,
     ):
         self.tokenizer = tokenizer or CodeTokenizer()
-        self.plan = expert_plan(task, detour_prob=detour_prob, seed=seed)
+        self.plan, detours = expert_plan_detours(task, detour_prob=detour_prob, seed=seed)
+        self.detour_turns = frozenset(k + 1 for k in detours)  # 1-based turn numbers
         self.turn = 0
 
     def action_ids(self, words: tuple[str, ...]) -> list[int]:

@@ -169,9 +169,7 @@ class RunTool:
             golden = evaluate(
                 st.task.original, st.task.visible_tests, cfg.step_budget, ctx.deadline
             )
-        text, cursor = format_run(
-            ev, st.lines, cfg.max_failures_shown, cfg.max_trace_lines, golden
-        )
+        text, cursor = format_run(ev, st.lines, cfg.max_failures_shown, cfg.max_trace_lines, golden)
         if cursor >= 0:
             st.cursor = cursor
         return text
