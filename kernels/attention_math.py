@@ -12,25 +12,33 @@ import math
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = ("auto", "xla", "pallas", "pallas_tpu")
 
 
-def resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, has_tpu_variant: bool = False) -> str:
     """Maps ``impl`` to a concrete implementation name.
 
     Args:
-      impl: 'auto' (Pallas on GPU/TPU, XLA on CPU), 'xla' or 'pallas'.
+      impl: 'auto', 'xla', 'pallas' (the generic kernel: Triton on GPU, interpret on CPU) or
+        'pallas_tpu' (the scalar-prefetch Mosaic TPU kernel; only ops that have one). 'auto'
+        picks 'pallas_tpu' on TPU for ops that have it, else 'pallas' on GPU/TPU and 'xla' on
+        CPU. An explicit 'pallas' is honoured on every backend.
+      has_tpu_variant: whether the calling op has a 'pallas_tpu' kernel.
 
     Returns:
-      'xla' or 'pallas'.
+      'xla', 'pallas' or 'pallas_tpu'.
 
     Raises:
-      ValueError: if ``impl`` is not one of 'auto', 'xla', 'pallas'.
+      ValueError: if ``impl`` is unknown, or 'pallas_tpu' for an op without that kernel.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}; allowed: {', '.join(repr(i) for i in IMPLS)}")
+    allowed = IMPLS if has_tpu_variant else IMPLS[:3]
+    if impl not in allowed:
+        raise ValueError(f"impl={impl!r}; allowed: {', '.join(repr(i) for i in allowed)}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+        backend = jax.default_backend()
+        if backend == "tpu" and has_tpu_variant:
+            return "pallas_tpu"
+        return "pallas" if backend in ("gpu", "tpu") else "xla"
     return impl
 
 

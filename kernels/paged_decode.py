@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -179,7 +180,7 @@ def paged_decode_attention(
     v_scales: jax.Array | None = None,
     softmax_scale: float | None = None,
     impl: str = "auto",
-    interpret: bool = False,
+    interpret: bool | Any = False,
 ) -> jax.Array:
     """Decode attention of one new token per sequence against its paged KV cache.
 
@@ -193,8 +194,11 @@ def paged_decode_attention(
       k_scales: [P, Hkv] float dequantisation scales, required iff pages are int8.
       v_scales: [P, Hkv] float dequantisation scales, required iff pages are int8.
       softmax_scale: logit scale; default 1/sqrt(D).
-      impl: 'xla', 'pallas' or 'auto' (Pallas on GPU/TPU, XLA on CPU).
-      interpret: run the Pallas kernel in interpret mode (CPU testing).
+      impl: 'xla', 'pallas' (generic kernel, gathers pages from the pool in the kernel),
+        'pallas_tpu' (scalar-prefetch Mosaic kernel: the block table drives the page DMAs) or
+        'auto' ('pallas_tpu' on TPU, 'pallas' on GPU, 'xla' on CPU).
+      interpret: run the Pallas kernel in interpret mode (CPU testing): True, or for
+        'pallas_tpu' also ``pltpu.InterpretParams()`` (TPU semantics).
 
     Returns:
       [B, Hq, D] in q.dtype; float32 softmax/accumulation; zeros where lengths[b] == 0.
@@ -203,13 +207,19 @@ def paged_decode_attention(
       ValueError: on inconsistent shapes/dtypes, missing or superfluous scales, window < 1 or an
         unknown impl.
     """
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, has_tpu_variant=True)
     kwargs = dict(window=window, k_scales=k_scales, v_scales=v_scales, softmax_scale=softmax_scale)
     if impl == "xla":
         return paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths, **kwargs)
+    _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales)
+    if impl == "pallas_tpu":
+        from agentrl_jax.kernels.paged_decode_tpu import paged_decode_attention_pallas_tpu
+
+        return paged_decode_attention_pallas_tpu(
+            q, k_pages, v_pages, block_tables, lengths, interpret=interpret, **kwargs
+        )
     from agentrl_jax.kernels.paged_decode_pallas import paged_decode_attention_pallas
 
-    _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales)
     return paged_decode_attention_pallas(
         q, k_pages, v_pages, block_tables, lengths, interpret=interpret, **kwargs
     )

@@ -1,13 +1,21 @@
 """paged_decode_attention: every impl against the fp32 reference (Pallas in interpret mode)."""
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from agentrl_jax.kernels import paged_decode_attention, paged_decode_attention_reference
+from agentrl_jax.kernels import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    resolve_impl,
+)
 from agentrl_jax.kernels.paged_decode_pallas import BlockSizes, paged_decode_attention_pallas
+from agentrl_jax.kernels.paged_decode_tpu import BlockSizes as TpuBlockSizes
+from agentrl_jax.kernels.paged_decode_tpu import paged_decode_attention_pallas_tpu
+from jax.experimental.pallas import tpu as pltpu
 
 # One unoptimised XLA compile per case: XLA's CPU backend optimisations dominate test time.
 fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
@@ -68,9 +76,11 @@ def test_reference_matches_numpy_loop():
 
 
 def _check(impl, dtype, window, q, k, v, tables, lengths, scales):
+    fn = IMPLS[impl] if isinstance(impl, str) else impl
+
     @fast_jit
     def both(q, k, v, tables, lengths, scales):
-        out = IMPLS[impl](q, k, v, tables, lengths, window=window, **scales)
+        out = fn(q, k, v, tables, lengths, window=window, **scales)
         ref = paged_decode_attention_reference(q, k, v, tables, lengths, window=window, **scales)
         return out, ref
 
@@ -113,3 +123,72 @@ def test_pallas_group_padding_keeps_values(monkeypatch):
 
     monkeypatch.setattr(paged_decode_pallas, "padded_group", lambda g, interpret, tokens=1: 16)
     _check("pallas", jnp.float32, None, *_inputs(2, 4, 16, jnp.float32, seed=5))
+
+
+# --- impl='pallas_tpu': the scalar-prefetch kernel under pltpu.InterpretParams (TPU semantics:
+# simulated DMAs, NaN-filled scratch, out-of-bounds reads raise). ~20x slower than
+# interpret=True, so one representative per case runs by default; KERNEL_TESTS_FULL=1 runs all.
+slow = pytest.mark.skipif(
+    os.environ.get("KERNEL_TESTS_FULL") != "1",
+    reason="slow InterpretParams grid point; KERNEL_TESTS_FULL=1 runs it",
+)
+
+
+def _tpu(ppb=1, interpret=None):
+    """The public op (routing + validation) for one page per step, the kernel module for more."""
+    interpret = pltpu.InterpretParams() if interpret is None else interpret
+    if ppb == 1:
+        return functools.partial(paged_decode_attention, impl="pallas_tpu", interpret=interpret)
+    return functools.partial(
+        paged_decode_attention_pallas_tpu,
+        block_sizes=TpuBlockSizes(pages_per_block=ppb),
+        interpret=interpret,
+    )
+
+
+@pytest.mark.parametrize(
+    "g,window,dtype,int8,ppb",
+    [
+        (1, None, jnp.float32, False, 1),
+        (4, 6, jnp.bfloat16, True, 2),
+        pytest.param(4, None, jnp.float32, False, 1, marks=slow),
+        pytest.param(1, 6, jnp.bfloat16, False, 2, marks=slow),
+        pytest.param(4, None, jnp.bfloat16, True, 1, marks=slow),
+        pytest.param(1, 1, jnp.float32, True, 1, marks=slow),
+        pytest.param(4, 6, jnp.float32, False, 2, marks=slow),
+        pytest.param(4, 20, jnp.float32, True, 3, marks=slow),  # window >= every length
+    ],
+)
+def test_pallas_tpu_matches_reference(g, window, dtype, int8, ppb):
+    """Lengths 1, 8 (full last page), 13, 20 (full table), 0; -1 and junk table slots."""
+    _check(_tpu(ppb), dtype, window, *_inputs(2, g, 16, dtype, seed=g + 7, int8=int8))
+
+
+@slow
+def test_pallas_tpu_generic_interpret_and_vmap():
+    """interpret=True runs the same kernel; vmap over kv heads (as the model calls it)."""
+    q, k, v, tables, lengths, _ = _inputs(2, 2, 16, jnp.float32, seed=9)
+    f = _tpu(interpret=True)
+    out = jax.vmap(f, in_axes=(1, 2, 2, None, None), out_axes=1)(
+        q.reshape(q.shape[0], 2, 2, 16), k[:, :, :, None], v[:, :, :, None], tables, lengths
+    )
+    ref = paged_decode_attention_reference(q, k, v, tables, lengths)
+    np.testing.assert_allclose(out.reshape(ref.shape), ref, **TOL[jnp.float32])
+
+
+def test_impl_routing():
+    from agentrl_jax.kernels import attention_math, sliding_window_attention
+
+    assert resolve_impl("auto", has_tpu_variant=True) == "xla"  # CPU
+    with pytest.raises(ValueError, match="pallas_tpu"):
+        resolve_impl("pallas_tpu")  # an op without a TPU kernel
+    q = jnp.zeros((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="impl="):
+        sliding_window_attention(q, q, q, window=2, impl="pallas_tpu")
+    with pytest.raises(ValueError, match="only on TPU"):
+        _tpu(interpret=False)(*_inputs(1, 1, 8, jnp.float32)[:5])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention_math.jax, "default_backend", lambda: "tpu")
+        assert resolve_impl("auto", has_tpu_variant=True) == "pallas_tpu"
+        assert resolve_impl("auto") == "pallas"
+        assert resolve_impl("pallas", has_tpu_variant=True) == "pallas"
