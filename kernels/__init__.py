@@ -5,9 +5,16 @@ selected with ``impl='auto'|'xla'|'pallas'`` ('auto': Pallas on GPU/TPU, XLA on 
 them compute the softmax and accumulate in float32 whatever the input dtype, and return zeros
 for a query row that sees no key. This package imports only jax/numpy.
 
-The Pallas kernels are generic Pallas: ``interpret=True`` runs them on CPU; on GPU they select
+The 'pallas' kernels are generic Pallas: ``interpret=True`` runs them on CPU; on GPU they select
 the Triton lowering (tiles, ``block_size`` and ``page_size`` should be powers of two >= 16).
 Tile sizes live in each kernel module's frozen ``BlockSizes``.
+
+paged_decode_attention and block_sparse_attention also have ``impl='pallas_tpu'``
+(``paged_decode_tpu``, ``block_sparse_tpu``): Mosaic TPU kernels whose BlockSpec index maps read
+scalar-prefetched block tables / block selections, so the pipeline DMAs only the pages / key
+blocks used. 'auto' picks them on TPU; an explicit 'pallas' keeps the generic kernel on any
+backend. On CPU they run with ``interpret=True`` or ``interpret=pltpu.InterpretParams()``
+(TPU semantics: simulated DMAs and memories); compiled, they need a TPU backend.
 """
 
 from agentrl_jax.kernels.attention_math import IMPLS, resolve_impl

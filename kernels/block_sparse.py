@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -181,7 +182,7 @@ def block_sparse_attention(
     softmax_scale: float | None = None,
     query_block: int = 1,
     impl: str = "auto",
-    interpret: bool = False,
+    interpret: bool | Any = False,
 ) -> jax.Array:
     """Block-sparse causal attention; the block selection is shared by each GQA group.
 
@@ -197,8 +198,11 @@ def block_sparse_attention(
         of ``query_block`` tokens (tokens i*query_block ..); the fast impls then read each
         group's first row and process the group as one tile (bigger matmuls, K/V read once per
         group). 1 (default): per-token selection. The reference ignores it.
-      impl: 'xla', 'pallas' or 'auto' (Pallas on GPU/TPU, XLA on CPU).
-      interpret: run the Pallas kernel in interpret mode (CPU testing).
+      impl: 'xla', 'pallas' (generic kernels, K/V of the sequence in one block), 'pallas_tpu'
+        (scalar-prefetch Mosaic forward: the selection drives the K/V block DMAs; backward
+        through the XLA path) or 'auto' ('pallas_tpu' on TPU, 'pallas' on GPU, 'xla' on CPU).
+      interpret: run the Pallas kernel in interpret mode (CPU testing): True, or for
+        'pallas_tpu' also ``pltpu.InterpretParams()`` (TPU semantics).
 
     Returns:
       [B, T, Hq, D] in q.dtype; float32 softmax/accumulation; a query whose selected blocks hold
@@ -207,11 +211,15 @@ def block_sparse_attention(
     Raises:
       ValueError: on inconsistent shapes, block_size or query_block < 1, or an unknown impl.
     """
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, has_tpu_variant=True)
     kw = dict(block_size=block_size, softmax_scale=softmax_scale, query_block=query_block)
     if impl == "xla":
         return block_sparse_attention_xla(q, k, v, block_indices, **kw)
+    _validate(q, k, v, block_indices, block_size, query_block)
+    if impl == "pallas_tpu":
+        from agentrl_jax.kernels.block_sparse_tpu import block_sparse_attention_pallas_tpu
+
+        return block_sparse_attention_pallas_tpu(q, k, v, block_indices, interpret=interpret, **kw)
     from agentrl_jax.kernels.block_sparse_pallas import block_sparse_attention_pallas
 
-    _validate(q, k, v, block_indices, block_size, query_block)
     return block_sparse_attention_pallas(q, k, v, block_indices, interpret=interpret, **kw)
