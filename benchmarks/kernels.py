@@ -2,8 +2,10 @@
 
 Ops: sliding-window (banded FLOPs), block-sparse with top-k blocks per query (selected FLOPs,
 vs dense causal attention), paged decode (bytes of owned K/V pages). Impls: reference, xla,
-pallas (skipped on CPU unless --pallas-interpret), and 'dpa' (jax.nn.dot_product_attention:
-cuDNN on GPU when it accepts the inputs, XLA otherwise). Imports only jax/numpy.
+pallas (skipped on CPU unless --pallas-interpret), pallas_tpu (block-sparse and paged decode:
+the scalar-prefetch Mosaic kernels; timed only on TPU, elsewhere one "skipped" line per pass),
+and 'dpa' (jax.nn.dot_product_attention: cuDNN on GPU when it accepts the inputs, XLA
+otherwise). Imports only jax/numpy.
 
   python benchmarks/kernels.py                       # modest CPU shapes (< 2 min)
   python benchmarks/kernels.py --seq 32768 --batch 1 --heads-q 32 --heads-kv 8 --head-dim 128 \
@@ -93,6 +95,7 @@ class Bench:
         impls = ["reference", "xla"]
         if self.backend != "cpu" or args.pallas_interpret:
             impls.append("pallas")
+        impls.append("pallas_tpu")  # reported as skipped off TPU
         self.impls = [i for i in impls if i in args.impls.split(",")]
 
     def emit(self, **row):
@@ -124,7 +127,20 @@ class Bench:
             dpa_t, dpa_impl = self.dpa_time(dpa_make, dpa_inputs, grad)
             times = {}
             for impl in self.impls:
+                if impl not in ops:  # e.g. pallas_tpu for sliding-window
+                    continue
                 if impl == "reference" and shape["seq_len"] > self.args.ref_max_seq:
+                    continue
+                if impl == "pallas_tpu" and self.backend != "tpu":
+                    self.emit(
+                        variant=f"{op}/{impl}/{pas}",
+                        op=op,
+                        impl=impl,
+                        **{"pass": pas},
+                        skipped=f"needs a TPU (backend={self.backend}); interpret mode would "
+                        "time the interpreter, not the kernel",
+                        **shape,
+                    )
                     continue
                 fn = _grad_fn(ops[impl]) if grad else ops[impl]
                 times[impl] = self.timed(fn, inputs)
@@ -211,7 +227,7 @@ def bench_block_sparse(bench, a, dtype):
             query_block=a.query_block,
             impl=impl,
         )
-        for impl in ("xla", "pallas")
+        for impl in ("xla", "pallas", "pallas_tpu")
     }
     ops["reference"] = functools.partial(
         K.block_sparse_attention_reference, block_indices=idx, block_size=bs
@@ -251,7 +267,7 @@ def bench_paged_decode(bench, a, dtype, int8):
     item = jnp.dtype(k_pages.dtype).itemsize
     nbytes = 2 * owned_tokens * hkv * d * item + 2 * b * hq * d * jnp.dtype(dtype).itemsize
     ops = {}
-    for impl in ("reference", "xla", "pallas"):
+    for impl in ("reference", "xla", "pallas", "pallas_tpu"):
         fn = (
             K.paged_decode_attention_reference
             if impl == "reference"
@@ -273,7 +289,7 @@ def bench_paged_decode(bench, a, dtype, int8):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ops", default="sliding_window,block_sparse,paged_decode,paged_decode_int8")
-    p.add_argument("--impls", default="reference,xla,pallas")
+    p.add_argument("--impls", default="reference,xla,pallas,pallas_tpu")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--heads-q", type=int, default=8)
