@@ -10,9 +10,12 @@ outputs evicted, or moved to int8 in the F layers), replay (recorded KV masks re
 training), max_abs_dlogp, mean_abs_dlogp, routing_agreement, n_tokens, evicted_tokens,
 int8_tokens, kv_bytes_ratio (per-turn ``kv_bytes`` summed over turns, over the same sum without
 compression: int8 pages counted as int8 storage, see ``rollout.kv_cache``; eviction's freed
-pages are not counted), backend, devices, jax_version.
+pages are not counted), decode_kernel (non-parity policies decode through
+``kernels.paged_decode_attention`` unless ``--no-decode-kernel``; KV eviction runs keep the chunk
+path), backend, devices, jax_version.
 
 Usage: python benchmarks/parity.py [--tasks 6] [--slots 3] [--policies fp32-parity,bf16,...]
+       [--no-decode-kernel]
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from agentrl_jax.rl.mismatch import mismatch_metrics
 from agentrl_jax.rollout.agent_loop import run_episodes
 from agentrl_jax.rollout.kv_cache import EvictionConfig, kv_bytes_per_seq
 from agentrl_jax.rollout.parity import trainer_logprobs
-from agentrl_jax.rollout.sampler import SamplingConfig
+from agentrl_jax.rollout.sampler import SamplingConfig, get_sampler
 
 MODEL = ModelConfig(
     vocab_size=512,
@@ -62,6 +65,7 @@ def measure(policy_name, kv_option, args, params, tok, tasks):
         page_size=8,
         chunk=4,
         prefill_chunk=None if policy.parity else 16,
+        decode_kernel=args.decode_kernel,
     )
     eviction = None
     if kv_option in ("evict", "int8"):
@@ -97,6 +101,7 @@ def measure(policy_name, kv_option, args, params, tok, tasks):
                 policy=policy_name,
                 kv_option=kv_option,
                 replay=replay,
+                decode_kernel=get_sampler(model, cfg).kernel_decode,
                 max_abs_dlogp=float(m["max_abs_dlogp"]),
                 mean_abs_dlogp=float(m["mean_abs_dlogp"]),
                 routing_agreement=float(m["routing_agreement"]),
@@ -128,6 +133,7 @@ def main(argv=None) -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--policies", default="fp32-parity,bf16-parity,fp32,bf16")
     ap.add_argument("--kv", default="full,evict,int8")
+    ap.add_argument("--no-decode-kernel", dest="decode_kernel", action="store_false")
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO)
     tok = CodeTokenizer()

@@ -8,10 +8,12 @@ full-vocabulary sampling at temperature 1.
 Keys: tokens_per_s (prefill + decode), decode_tokens_per_s, prefill_ms, compile_s,
 nocache_tokens_per_s (full forward recomputed every step), speedup_vs_nocache,
 kv_bytes_per_seq and kv_bytes_ratio_vs_dense at 8k context, pool_waste_pages_per_seq (shared
-page pool after the run), policy, chunk, plus bench/variant/backend/devices/jax_version.
+page pool after the run), policy, chunk, decode_kernel (decode of F/D layers through
+``kernels.paged_decode_attention``; non-parity policies only, ``--no-decode-kernel`` measures
+the chunk path), plus bench/variant/backend/devices/jax_version.
 
 Usage: python benchmarks/rollout.py [--batches 8,32] [--patterns D,SSSF] [--models dense,moe]
-       [--policy fp32] [--reps 3] [--no-nocache]
+       [--policy fp32] [--reps 3] [--no-nocache] [--no-decode-kernel]
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def bench_one(kind, pattern, batch, args):
         chunk=chunk,
         prefill_chunk=None if policy.parity else PROMPT,
         stop_tokens=(),
+        decode_kernel=args.decode_kernel,
     )
     sampler = Sampler(model, cfg)
     rng = jax.random.key(1)
@@ -133,7 +136,8 @@ def bench_one(kind, pattern, batch, args):
         pool.ensure(b, assert_len)
     line = dict(
         bench="rollout",
-        variant=f"{kind}/{pattern}/b{batch}/{args.policy}",
+        variant=f"{kind}/{pattern}/b{batch}/{args.policy}"
+        + ("/kernel" if sampler.kernel_decode else ""),
         model=kind,
         pattern=pattern,
         batch=batch,
@@ -141,6 +145,7 @@ def bench_one(kind, pattern, batch, args):
         new_tokens=NEW,
         policy=args.policy,
         chunk=chunk,
+        decode_kernel=sampler.kernel_decode,
         tokens_per_s=batch * (PROMPT + NEW) / t_full,
         decode_tokens_per_s=batch * NEW / t_dec,
         prefill_ms=1e3 * t_pre,
@@ -178,6 +183,7 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk", type=int, default=1, help="decode chunk of non-parity policies")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-nocache", dest="nocache", action="store_false")
+    ap.add_argument("--no-decode-kernel", dest="decode_kernel", action="store_false")
     args = ap.parse_args(argv)
     for kind in args.models.split(","):
         for pattern in args.patterns.split(","):

@@ -19,6 +19,17 @@ position on. A ``kv_cache_dtype='int8'`` policy quantises every page of F/D laye
 page starts (S rings stay in the compute dtype); its teacher-forced pass does not quantise (the
 difference is measured as rollout/trainer mismatch, the policy is not a parity policy).
 
+Decode kernel (``decode_kernel=True``, used by the sampler under non-parity policies): a chunk of
+one row (``C == 1``) in an F/D layer attends through ``kernels.paged_decode_attention`` reading
+the page pool and block tables directly instead of gathering the context into ``[B, S, K, H]``.
+D layers pass the pool as is; F layers still score blocks on the gathered keys
+(``select_blocks``, so the selection is the chunk path's), then view the pool as pages of
+``sparse_block_size`` tokens and give the kernel, per KV head, a block table of the selected
+blocks in ascending order (every selected block but the query's own is complete, so they form
+one contiguous virtual sequence). Not used with ``meta['keep']`` (eviction) or a ``mass``
+accumulator (the kernel returns no probabilities); the numbers equal the chunk path's up to
+float reduction order (not bitwise, hence never under parity policies).
+
 Sparse-attention block scorer (``select_blocks``): each key block is summarised by the mean of
 its (RoPE-rotated) keys; a query's GQA group scores block j with the group-mean query dotted
 with that mean key (MoBA-style mean pooling: no extra parameters, one [T, J] product per KV
@@ -238,6 +249,43 @@ def _int8_at(meta: dict, policy: DTypePolicy, s: int, page: int) -> jax.Array | 
     return i8
 
 
+def _sparse_decode(q, pool_k, pool_v, tables, idx, positions, new_len, cfg, policy):
+    """One-token sparse attention over the selected blocks through the paged decode kernel.
+
+    q [B, 1, N, H]; pools [P, L, K, H]; tables int32 [B, max_pages]; idx int32 [B, 1, K, n_sel]
+    selected blocks (-1 unused; the own block always selected); positions, new_len int32 [B, 1],
+    [B]. Returns [B, 1, N, H] in the compute dtype. See the module docstring.
+    """
+    b, _, n, h = q.shape
+    n_pages, page = pool_k.shape[:2]
+    bs, kh = cfg.sparse_block_size, cfg.n_kv_heads
+    per_page = page // bs
+    sel = idx[:, 0]  # [B, K, n_sel]
+    big = jnp.iinfo(jnp.int32).max
+    sel = jnp.sort(jnp.where(sel < 0, big, sel), axis=-1)  # ascending, unused last
+    used = sel != big
+    sel = jnp.where(used, sel, 0)
+    page_ids = jnp.take_along_axis(
+        tables[:, None, :], jnp.clip(sel // per_page, 0, tables.shape[1] - 1), axis=2
+    )
+    blocks = jnp.where(used, jnp.maximum(page_ids, 0) * per_page + sel % per_page, 0)
+    own = positions[:, 0] // bs  # [B]
+    n_used = jnp.sum(used, axis=-1)  # [B, K]
+    vlen = (n_used - 1) * bs + (new_len - own * bs)[:, None]
+    vlen = jnp.clip(vlen, 0, sel.shape[-1] * bs).astype(jnp.int32)
+    kb = pool_k.reshape(n_pages * per_page, bs, kh, h)  # pages of one key block (free reshape)
+    vb = pool_v.reshape(n_pages * per_page, bs, kh, h)
+    qg = q[:, 0].reshape(b, kh, n // kh, h)
+
+    def one_head(qk, kp, vp, bt, ln):  # [B, G, H], [Pb, bs, H] x2, [B, n_sel], [B]
+        return kernels.paged_decode_attention(
+            qk, kp[:, :, None], vp[:, :, None], bt, ln, impl=policy.kernel_impl
+        )
+
+    out = jax.vmap(one_head, in_axes=(1, 2, 2, 1, 1), out_axes=1)(qg, kb, vb, blocks, vlen)
+    return out.reshape(b, 1, n, h).astype(policy.compute)
+
+
 def init_layer_cache(
     kind: str,
     cfg: ModelConfig,
@@ -265,6 +313,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
     policy: DTypePolicy
     kind: str
+    decode_kernel: bool = False
 
     @nn.compact
     def __call__(
@@ -404,6 +453,12 @@ class Attention(nn.Module):
         int8_at = _int8_at(meta, pol, s, page)
         if int8_at is not None:  # int8 KV: decisions taking effect in this chunk, in place
             pool_k, pool_v = int8_page_update(pool_k, pool_v, tables, int8_at, lengths, new_len)
+        use_kernel = self.decode_kernel and c == 1 and "keep" not in meta and "mass" not in cache
+        if use_kernel and self.kind == "D":
+            out = kernels.paged_decode_attention(
+                q[:, 0], pool_k, pool_v, tables, new_len, impl=pol.kernel_impl
+            )
+            return out[:, None].astype(pol.compute), {"k": pool_k, "v": pool_v}
         safe = jnp.maximum(tables, 0)
         keys = pool_k[safe].reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
         vals = pool_v[safe].reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
@@ -422,6 +477,9 @@ class Attention(nn.Module):
                 q_positions=positions,
                 k_valid=k_valid,
             )
+            if use_kernel:
+                out = _sparse_decode(q, pool_k, pool_v, tables, idx, positions, new_len, cfg, pol)
+                return out, {"k": pool_k, "v": pool_v}
             kblock = kpos // cfg.sparse_block_size
             sel = jnp.any(idx[..., None] == kblock, axis=-2)  # [B, C, K, S]
             mask = mask & sel

@@ -42,12 +42,13 @@ class Block(nn.Module):
     cfg: ModelConfig
     policy: DTypePolicy
     kind: str
+    decode_kernel: bool = False
 
     @nn.compact
     def __call__(self, x, positions, cache, meta, valid, replay):
         cfg, pol = self.cfg, self.policy
         h = RMSNorm(cfg, pol, name="attn_norm")(x)
-        a, cache = Attention(cfg, pol, self.kind, name="attn")(
+        a, cache = Attention(cfg, pol, self.kind, self.decode_kernel, name="attn")(
             h, positions, cache=cache, meta=meta, valid=valid
         )
         x = x + a
@@ -65,6 +66,7 @@ class Group(nn.Module):
 
     cfg: ModelConfig
     policy: DTypePolicy
+    decode_kernel: bool = False
 
     @nn.compact
     def __call__(self, x, xs, positions, meta, valid):
@@ -72,7 +74,7 @@ class Group(nn.Module):
         new_caches, routes, aux_sum = {}, [], {}
         for i, kind in enumerate(self.cfg.layer_pattern):
             name = f"layer_{i}"
-            x, c, r, aux = Block(self.cfg, self.policy, kind, name=name)(
+            x, c, r, aux = Block(self.cfg, self.policy, kind, self.decode_kernel, name=name)(
                 x,
                 positions,
                 None if caches is None else caches[name],
@@ -91,10 +93,15 @@ class Group(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only transformer with hybrid attention and optional MoE FFNs."""
+    """Decoder-only transformer with hybrid attention and optional MoE FFNs.
+
+    ``decode_kernel``: one-row chunks of F/D layers attend through the paged decode kernel
+    (``model.attention`` docstring; same parameters, numbers equal up to reduction order).
+    """
 
     cfg: ModelConfig
     policy: DTypePolicy
+    decode_kernel: bool = False
 
     @nn.compact
     def __call__(
@@ -150,7 +157,7 @@ class Transformer(nn.Module):
             length=cfg.n_groups,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x, (new_layers, routes, aux) = scanned(cfg, pol, name="groups")(
+        x, (new_layers, routes, aux) = scanned(cfg, pol, self.decode_kernel, name="groups")(
             x, (layer_caches, replay), positions, meta, valid
         )
         x = RMSNorm(cfg, pol, name="final_norm")(x)

@@ -158,11 +158,11 @@ def run_episodes(
     pool = None
     if n_pages is not None:
         pool = PagePool(n_slots, n_pages, cfg.page_size, cfg.max_len, usable=page_budget)
-    state = sampler.init_state(n_slots, n_pages)
+    evicting = eviction is not None and eviction.threshold > 0
+    state = sampler.init_state(n_slots, n_pages, track_mass=evicting)
     if pool is not None:
         state = sampler.reset_slots(state, np.zeros(n_slots, bool), pool.tables)
         pool.dirty = False
-    evicting = eviction is not None and eviction.threshold > 0
     int8 = evicting and eviction.int8
     never = np.iinfo(np.int32).max
     evict_np = np.full((n_slots, cfg.max_len), never, np.int32)  # host mirror of evict_at

@@ -9,6 +9,14 @@ valid=...)``: decode feeds one valid row padded to ``C`` rows, prefill feeds ``C
 With ``Cp == C`` (forced for ``policy.parity``) every token's logits are computed exactly as
 ``forward_chunked(chunk=C, page_size, max_len)`` computes them in training (bitwise).
 
+Decode kernel: under non-parity policies (and ``SamplingConfig.decode_kernel``, the default)
+decode feeds one row per step to a model built with ``decode_kernel=True``, so F/D layers attend
+through ``agentrl_jax.kernels.paged_decode_attention`` (impl from ``policy.kernel_impl``: XLA on
+CPU, Pallas on GPU/TPU) reading the page pool and block tables directly; S layers keep their ring
+buffers. Tokens and logprobs equal the chunk path's up to fp32 reduction order (tested). When
+the state tracks attention mass for KV eviction (``init_state(track_mass=True)``) decode uses
+the chunk path (the kernel returns no probabilities). Parity policies always use the chunk path.
+
 Prefill chunks are aligned to multiples of ``Cp`` in absolute position (the first chunk of a
 call may be partial): a chunk never straddles a multiple of ``Cp``, which is where recorded KV
 eviction / int8 quantisation takes effect (see ``kv_cache.py``), so training replays the same
@@ -55,6 +63,8 @@ class SamplingConfig:
       prefill_chunk: prefill chunk rows Cp; None -> ``chunk`` (parity policies always use chunk).
       page_size: KV page size (a multiple of the model's ``sparse_block_size``).
       max_len: cache capacity per sequence (tokens).
+      decode_kernel: decode one row per step through the paged decode kernel under non-parity
+        policies (module docstring); ignored under parity policies.
     """
 
     temperature: float = 1.0
@@ -67,6 +77,7 @@ class SamplingConfig:
     prefill_chunk: int | None = None
     page_size: int = 16
     max_len: int = 512
+    decode_kernel: bool = True
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -220,17 +231,26 @@ class Sampler:
         self.model, self.cfg = model, cfg
         self.prefill_rows = cfg.prefill_rows(model.policy.parity)
         self.is_moe = mcfg.is_moe
+        self.kernel_decode = cfg.decode_kernel and not model.policy.parity
+        self.decode_model = Transformer(mcfg, model.policy, decode_kernel=True)
         self.prefill = jax.jit(self._prefill, donate_argnums=1)
         self.decode = jax.jit(self._decode, donate_argnums=1)
 
     # State ----------------------------------------------------------------------------------
-    def init_state(self, batch: int, n_pages: int | None = None) -> DecodeState:
-        """Empty state of ``batch`` slots (shared pool of ``n_pages`` pages if given)."""
+    def init_state(
+        self, batch: int, n_pages: int | None = None, *, track_mass: bool = False
+    ) -> DecodeState:
+        """Empty state of ``batch`` slots (shared pool of ``n_pages`` pages if given).
+
+        ``track_mass``: F/D layers accumulate the attention mass each cached position gets
+        (:meth:`attention_mass`, needed by KV eviction; decode then uses the chunk path).
+        """
         spec = CacheSpec(batch, self.cfg.max_len, self.cfg.page_size, n_pages)
         cache = init_cache(self.model.cfg, self.model.policy, spec)
         layers = {}
         for name, layer in cache["layers"].items():
-            if layer["k"].ndim == 5 and self.model.cfg.layer_pattern[int(name[6:])] != "S":
+            kind = self.model.cfg.layer_pattern[int(name[6:])]
+            if track_mass and layer["k"].ndim == 5 and kind != "S":
                 layer = {**layer, "mass": jnp.zeros((layer["k"].shape[0], batch, spec.max_len))}
             layers[name] = layer
         cache["layers"] = layers
@@ -267,6 +287,15 @@ class Sampler:
         evict = jnp.where(mask[:, None], _NEVER, state.evict_at)
         int8 = jnp.where(mask[:, None], _NEVER, state.int8_at)
         return DecodeState(cache, state.logits, evict, int8)
+
+    @staticmethod
+    def tracks_mass(state: DecodeState) -> bool:
+        """Whether ``state`` accumulates attention mass (``init_state(track_mass=True)``)."""
+        return any("mass" in layer for layer in state.cache["layers"].values())
+
+    def uses_decode_kernel(self, state: DecodeState) -> bool:
+        """Whether :meth:`decode` on ``state`` goes through the paged decode kernel."""
+        return self.kernel_decode and not self.tracks_mass(state)
 
     @staticmethod
     def attention_mass(state: DecodeState) -> jax.Array:
@@ -354,6 +383,9 @@ class Sampler:
         b = active.shape[0]
         n = cfg.max_new_tokens
         c = cfg.chunk
+        kernel = self.uses_decode_kernel(state)  # static: from the state's structure
+        if kernel:  # one row per step; no eviction/int8 decisions without mass tracking
+            model, c = self.decode_model, 1
         stops = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
         mcfg = model.cfg
         out_tok = jnp.zeros((b, n), jnp.int32)
@@ -377,9 +409,8 @@ class Sampler:
             tok, lp = sample_tokens(st.logits, token_keys(rng, uids, pos), cfg)
             toks = jnp.zeros((b, c), jnp.int32).at[:, 0].set(tok)
             valid = jnp.zeros((b, c), bool).at[:, 0].set(live)
-            logits, cache, extras = model.apply(
-                params, toks, cache=_with_keep(st.cache, st), valid=valid
-            )
+            cache = st.cache if kernel else _with_keep(st.cache, st)
+            logits, cache, extras = model.apply(params, toks, cache=cache, valid=valid)
             new_logits = jnp.where(live[:, None], logits[:, 0], st.logits)
             out_tok = out_tok.at[:, i].set(jnp.where(live, tok, 0))
             out_lp = out_lp.at[:, i].set(jnp.where(live, lp, 0.0))

@@ -17,7 +17,7 @@ TASKS = [0, 1, 2, 3, 4]
 N_PAGES = N_SLOTS * SAMPLING.max_len // SAMPLING.page_size  # same shapes as the default pool
 
 
-def play(model, params, tokenizer, *, tasks=TASKS, seed=7, **kw):
+def play(model, params, tokenizer, *, tasks=TASKS, seed=7, sampling_cfg=SAMPLING, **kw):
     envs = {}
 
     def factory():
@@ -33,7 +33,7 @@ def play(model, params, tokenizer, *, tasks=TASKS, seed=7, **kw):
 
     stats = RolloutStats()
     traj = run_episodes(
-        model, params, tasks, factory, tokenizer, SAMPLING, jax.random.key(seed),
+        model, params, tasks, factory, tokenizer, sampling_cfg, jax.random.key(seed),
         n_slots=N_SLOTS, stats=stats, **kw,
     )  # fmt: skip
     return traj, envs, stats

@@ -1,0 +1,97 @@
+"""Fast-policy decode through ``kernels.paged_decode_attention``: same numbers, kernel called."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import CFG, N_SLOTS, SAMPLING
+from test_agent_loop import play
+
+from agentrl_jax import kernels
+from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache, init_params
+from agentrl_jax.precision import get_policy
+from agentrl_jax.rollout.parity import trainer_logprobs
+from agentrl_jax.rollout.sampler import Sampler
+
+# fp32 tolerance: the kernel reduces in another order than the chunk path's masked softmax
+ATOL = 2e-5
+
+
+def test_one_row_step_matches_chunk_path_dense_and_sparse():
+    """D and F layers, ragged cached lengths (F selects 2 of up to 9 blocks): logits and the
+    written keys close (layer 0's bitwise: same input)."""
+    cfg = ModelConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+        layer_pattern="DF", window=8, sparse_block_size=4, sparse_topk_tokens=8, d_ff=48,
+        init_std=0.3,
+    )  # fmt: skip
+    pol = get_policy("fp32")
+    plain, fast = Transformer(cfg, pol), Transformer(cfg, pol, decode_kernel=True)
+    params = init_params(plain, jax.random.key(0))
+    b, t = 3, 32
+    toks = jax.random.randint(jax.random.key(1), (b, t), 0, 64)
+    lens = jnp.asarray([0, 17, 32])  # empty slot, mid-page, full pages
+
+    @jax.jit
+    def run(params, toks):
+        cache = init_cache(cfg, pol, CacheSpec(b, 64, page_size=8))
+        valid = jnp.arange(t)[None, :] < lens[:, None]
+        _, cache, _ = plain.apply(params, toks, cache=cache, valid=valid)
+        step = toks[:, :1] + 1
+        one = jnp.ones((b, 1), bool)
+        ref, ref_cache, _ = plain.apply(params, step, cache=cache, valid=one)
+        got, got_cache, _ = fast.apply(params, step, cache=cache, valid=one)
+        return ref, got, ref_cache, got_cache
+
+    ref, got, ref_cache, got_cache = run(params, toks)
+    np.testing.assert_allclose(got, ref, atol=ATOL, rtol=0)
+    jax.tree.map(np.testing.assert_array_equal, got_cache["layers"]["layer_0"],
+                 ref_cache["layers"]["layer_0"])  # fmt: skip
+    close = lambda a, b: np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)  # noqa: E731
+    jax.tree.map(close, got_cache, ref_cache)
+
+
+@pytest.fixture(scope="module")
+def fast_model(fp32_model):
+    """Non-parity fp32 model with the shared (fp32-stored) parameters."""
+    return Transformer(CFG, get_policy("fp32")), fp32_model[1]
+
+
+def test_fast_policy_rollout_same_tokens_and_logprobs(fast_model, tokenizer):
+    model, params = fast_model
+    ker, _, _ = play(model, params, tokenizer)
+    ref, _, _ = play(model, params, tokenizer, sampling_cfg=SAMPLING.replace(decode_kernel=False))
+    np.testing.assert_array_equal(ker.tokens, ref.tokens)
+    np.testing.assert_array_equal(ker.routes, ref.routes)
+    act = ker.action_mask
+    assert act.sum() > 20
+    np.testing.assert_allclose(ker.rollout_logprobs[act], ref.rollout_logprobs[act], atol=ATOL)
+    # the rollout/trainer mismatch of the fast policy stays at its fp32 noise level
+    lp, _ = trainer_logprobs(model, params, ker, sampling_cfg=SAMPLING, n_slots=N_SLOTS)
+    assert np.abs(lp[act] - ker.rollout_logprobs[act]).max() < 1e-3
+
+
+@pytest.mark.parametrize("policy,calls", [("fp32", True), ("fp32-parity", False)])
+def test_decode_calls_the_kernel_only_for_fast_policies(monkeypatch, fp32_model, policy, calls):
+    params = fp32_model[1]
+    seen = []
+    real = kernels.paged_decode_attention
+
+    def spy(*args, **kw):
+        seen.append(kw.get("impl"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(kernels, "paged_decode_attention", spy)
+    sampler = Sampler(Transformer(CFG, get_policy(policy)), SAMPLING)
+    for track_mass in (False, True):
+        seen.clear()
+        st = sampler.init_state(N_SLOTS, track_mass=track_mass)
+        ones = np.ones(N_SLOTS, bool)
+        args = (jax.random.key(0), np.arange(N_SLOTS, dtype=np.int32), ones)
+        budget = np.full(N_SLOTS, 2, np.int32)
+        jax.make_jaxpr(sampler._decode)(params, st, *args, budget, np.int32(N_SLOTS))
+        want = calls and not track_mass  # eviction's mass tracking keeps the chunk path
+        assert bool(seen) == want and sampler.uses_decode_kernel(st) == want
+        # the F layer of "SF": one call per KV head (vmapped), impl from the policy
+        assert all(impl == "auto" for impl in seen)
