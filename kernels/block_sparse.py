@@ -200,7 +200,8 @@ def block_sparse_attention(
         group). 1 (default): per-token selection. The reference ignores it.
       impl: 'xla', 'pallas' (generic kernels, K/V of the sequence in one block), 'pallas_tpu'
         (scalar-prefetch Mosaic forward: the selection drives the K/V block DMAs; backward
-        through the XLA path) or 'auto' ('pallas_tpu' on TPU, 'pallas' on GPU, 'xla' on CPU).
+        through the XLA path) or 'auto' ('pallas_tpu' on TPU, 'xla' there when query_block * G
+        or block_size is not a multiple of 8; 'pallas' on GPU; 'xla' on CPU).
       interpret: run the Pallas kernel in interpret mode (CPU testing): True, or for
         'pallas_tpu' also ``pltpu.InterpretParams()`` (TPU semantics).
 
@@ -211,8 +212,16 @@ def block_sparse_attention(
     Raises:
       ValueError: on inconsistent shapes, block_size or query_block < 1, or an unknown impl.
     """
-    impl = resolve_impl(impl, has_tpu_variant=True)
+    requested, impl = impl, resolve_impl(impl, has_tpu_variant=True)
     kw = dict(block_size=block_size, softmax_scale=softmax_scale, query_block=query_block)
+    if requested == "auto" and impl == "pallas_tpu" and not interpret:
+        from agentrl_jax.kernels.block_sparse_tpu import tpu_tiles_ok
+
+        g = _validate(q, k, v, block_indices, block_size, query_block)
+        t = q.shape[1]
+        groups, nblk = -(-t // query_block), -(-t // block_size)
+        if not tpu_tiles_ok(query_block * g, groups, block_size, nblk):
+            impl = "xla"  # tiles the TPU cannot block (e.g. query_block * G < 8)
     if impl == "xla":
         return block_sparse_attention_xla(q, k, v, block_indices, **kw)
     _validate(q, k, v, block_indices, block_size, query_block)

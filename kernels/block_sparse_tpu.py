@@ -100,13 +100,18 @@ def _kernel(
         o_ref[...] = (acc_sc[...] / jnp.where(l_i > 0, l_i, 1.0)).astype(o_ref.dtype)
 
 
+def tpu_tiles_ok(rows: int, groups: int, block_size: int, num_blocks: int) -> bool:
+    """Whether the compiled TPU kernel can block these tiles (rows = query_block * G)."""
+    return (rows % 8 == 0 or groups == 1) and (block_size % 8 == 0 or num_blocks == 1)
+
+
 def _check_tpu_tiles(rows, groups, bs, nblk):
     if rows % 8 and groups > 1:
         raise ValueError(
             f"query_block * G = {rows} must be a multiple of 8 for the compiled TPU kernel "
             "(TPU block tiling); use interpret mode or a larger query_block"
         )
-    if bs % 8 and nblk > 1:
+    if not tpu_tiles_ok(rows, groups, bs, nblk):
         raise ValueError(f"block_size={bs} must be a multiple of 8 for the compiled TPU kernel")
 
 

@@ -75,3 +75,17 @@ def test_block_sparse_rejects_tiles_tpu_cannot_block():
         f(q, kv, kv, idx, block_size=8, query_block=1)  # 1 token x G=2 rows
     with pytest.raises(ValueError, match="block_size=4"):
         f(q, kv, kv, idx, block_size=4, query_block=4)
+
+
+def test_block_sparse_auto_picks_tpu_kernel_only_for_tileable_shapes():
+    from agentrl_jax.kernels import block_sparse_attention
+
+    idx = jnp.zeros((1, 256, 2, 2), jnp.int32)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    for query_block, want_kernel in [(8, True), (1, False)]:  # rows = 8 * G = 32 vs G = 4
+        f = lambda q, k, v, qb=query_block: block_sparse_attention(
+            q, k, v, idx, block_size=64, query_block=qb
+        )
+        q = jax.ShapeDtypeStruct((1, 256, 8, 128), jnp.bfloat16)
+        text = jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("tpu",)).as_text()
+        assert ("tpu_custom_call" in text) == want_kernel
