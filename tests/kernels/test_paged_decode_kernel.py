@@ -166,14 +166,18 @@ def test_pallas_tpu_matches_reference(g, window, dtype, int8, ppb):
 
 @slow
 def test_pallas_tpu_generic_interpret_and_vmap():
-    """interpret=True runs the same kernel; vmap over kv heads (as the model calls it)."""
+    """interpret=True runs the same kernel; vmap over kv heads as the rollout's sparse decode
+    calls it (per-head pages, block tables and lengths: batched scalar-prefetch operands)."""
     q, k, v, tables, lengths, _ = _inputs(2, 2, 16, jnp.float32, seed=9)
-    f = _tpu(interpret=True)
-    out = jax.vmap(f, in_axes=(1, 2, 2, None, None), out_axes=1)(
-        q.reshape(q.shape[0], 2, 2, 16), k[:, :, :, None], v[:, :, :, None], tables, lengths
-    )
-    ref = paged_decode_attention_reference(q, k, v, tables, lengths)
-    np.testing.assert_allclose(out.reshape(ref.shape), ref, **TOL[jnp.float32])
+    tables2, lengths2 = jnp.stack([tables, tables[::-1]], 1), jnp.stack([lengths, lengths[::-1]], 1)
+    qg = q.reshape(q.shape[0], 2, 2, 16)
+
+    def per_head(f):
+        g = lambda q, k, v, t, n: f(q, k[:, :, None], v[:, :, None], t, n)
+        return jax.vmap(g, in_axes=(1, 2, 2, 1, 1), out_axes=1)(qg, k, v, tables2, lengths2)
+
+    out = per_head(_tpu(interpret=True))
+    np.testing.assert_allclose(out, per_head(paged_decode_attention_reference), **TOL[jnp.float32])
 
 
 def test_impl_routing():

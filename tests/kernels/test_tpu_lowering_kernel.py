@@ -51,6 +51,20 @@ def test_paged_decode_lowers(int8):
     _lowers(f, jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16), pages, pages)
 
 
+def test_paged_decode_vmapped_over_kv_heads_lowers():
+    """As the rollout's sparse decode calls it: per-head pages, tables and lengths."""
+    pages = jax.ShapeDtypeStruct((64, 16, 4, 128), jnp.bfloat16)
+    tables, lengths = jnp.zeros((2, 4, 8), jnp.int32), jnp.ones((2, 4), jnp.int32)
+
+    def f(q, kp, vp):
+        one = lambda q, k, v, t, n: paged_decode_tpu.paged_decode_attention_pallas_tpu(
+            q, k[:, :, None], v[:, :, None], t, n
+        )
+        return jax.vmap(one, in_axes=(1, 2, 2, 1, 1), out_axes=1)(q, kp, vp, tables, lengths)
+
+    _lowers(f, jax.ShapeDtypeStruct((2, 4, 8, 128), jnp.bfloat16), pages, pages)
+
+
 @pytest.mark.parametrize("query_block", [2, 8])
 def test_block_sparse_lowers_with_gradient(query_block):
     q = jax.ShapeDtypeStruct((1, 512, 16, 128), jnp.bfloat16)  # G = 4: rows 8 or 32
