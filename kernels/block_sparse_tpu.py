@@ -20,8 +20,8 @@ tile is ``[query_block * G, D]`` of ``[groups * query_block * G, D]`` and the K/
 ``[block_size, D]`` of ``[S, D]``; D is always a full dim, so a compiled (non-interpret) call
 needs ``query_block * G % 8 == 0`` (or a single group) and ``block_size % 8 == 0`` (or one
 block), checked before the call. Interpret mode accepts any size. The prefetched selection
-(``B * Hkv * groups * n_sel`` int32) must fit in SMEM (about 1 MiB per core): at long context
-use a larger ``query_block`` or split the call over batch / heads.
+(``B * Hkv * groups * n_sel`` int32) must fit in SMEM (1 MiB per core from TPU v4 on): at
+long context use a larger ``query_block`` or split the call over batch / heads.
 
 Einsum legend: B batch, K kv heads, G query heads per kv head, H head dim, L selection slot.
 """

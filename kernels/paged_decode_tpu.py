@@ -18,8 +18,8 @@ pairs survive the mask, the per-(page, kv head) scales are applied per query row
 to the logits, the value scale to ``P @ V``. Scales travel as ``[1, Hkv]`` VMEM blocks of the
 ``[P, 1, Hkv]``-reshaped scale arrays (they are too many for SMEM in a large pool).
 
-The prefetched block table (``B * max_pages`` int32) must fit in SMEM (about 1 MiB per core;
-64 sequences x 2048 pages is 512 KiB): split larger batches.
+The prefetched block table (``B * max_pages`` int32) must fit in SMEM (1 MiB per core from
+TPU v4 on; 64 sequences x 2048 pages is 512 KiB): split larger batches.
 
 Masks use precomputed integer tables (column -> token offset, row/column -> kv head) passed as
 constant blocks: Mosaic has no vector integer division.
