@@ -13,17 +13,24 @@ Two modes:
     crashed point is recorded (``error.txt`` in its directory) and the sweep moves on; re-running
     the sweep continues unfinished points from their checkpoints.
   * vectorised (the experiment sets ``cfg.sweep_vectorized = True``): allowed when every point
-    only changes keys in ``VMAP_KEYS``. What is vectorised: the learner. SFT and the held-out
-    evaluation before RL run once (shared); then every RL step plays each point's rollouts with
-    that point's own parameters and seed (host loop, sequential: environments are Python) and
-    applies ONE jitted ``jax.vmap``-ed update to all points at once, the swept values
-    (lr, weight decay, PPO clip bounds) being traced arrays [P] - one compile for the whole
-    sweep instead of one per point. What is not: rollouts, advantages, evaluation after RL
-    (per point, sequential), checkpoints (a vectorised group is all-or-nothing: an interrupted
-    group re-runs its unfinished points from the start), the precision fallback (non-finite
-    updates are still skipped) and multi-update steps (needs ppo_epochs = n_minibatches = 1 and
-    old_logprobs = 'recompute', the default experiment's setting). Entropy / KL coefficients are
-    not vectorisable: ``policy_loss`` branches on them in Python.
+    only changes keys in ``VMAP_KEYS`` (checked before anything runs). What is vectorised: the
+    learner (``agentrl_jax.train.sweep_vmap``). SFT runs once, shared (it depends only on
+    ``sft.*``, which points cannot change); without SFT or ``init_from`` each point starts from
+    ``init_params`` with its own seed, as a sequential run would. Every RL step plays each
+    point's rollouts with that point's own parameters and seed (host loop, sequential:
+    environments are Python) and applies ONE jitted ``jax.vmap``-ed update to all points at
+    once, the swept values (lr, weight decay, PPO clip bounds) being traced arrays [P] - one
+    compile for the whole sweep instead of one per point. Each point then gets the run
+    directory a sequential run would write: metrics, summary and a final RL checkpoint (params,
+    optimiser state in ``make_optimizer``'s layout, data-pipeline state); its numbers equal a
+    sequential run's up to float rounding (``tests/train/test_sweep_vmap.py``). A point whose
+    config is invalid or whose rollouts raise is recorded as failed (``error.txt``) and dropped
+    from the group; the others go on. Not vectorised: rollouts, advantages, evaluation (per
+    point, sequential), intermediate checkpoints (an interrupted group re-runs its unfinished
+    points from the start), the precision fallback (non-finite updates are still skipped) and
+    multi-update steps (needs ppo_epochs = n_minibatches = 1 and old_logprobs = 'recompute',
+    the default experiment's setting). Entropy / KL coefficients are not vectorisable:
+    ``policy_loss`` branches on them in Python.
 """
 
 from __future__ import annotations
@@ -36,15 +43,23 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from agentrl_jax.config import ConfigDict, apply_overrides, load_config, sweep_points
 from agentrl_jax.metrics import make_run_dir, save_config
 from agentrl_jax.report import load_series, plot_sweep_curves, write_sweep_table
+from agentrl_jax.train.sweep_vmap import (
+    VMAP_KEYS,
+    VecState,
+    check_vectorizable,
+    hyperparams,
+    make_vmapped_update,
+    sequential_opt_state,
+    take_points,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +67,6 @@ SWEEP_FILE = "sweep.json"
 TABLE_FILE = "sweep.csv"
 COLUMNS = ("point", "label", "status", "heldout_success", "reward", "entropy", "wall_s")
 PLOT_METRICS = ("rl/reward", "rl/entropy", "eval/heldout_success")
-# swept key -> name of the traced hyperparameter of the vectorised learner ("" = host side only)
-VMAP_KEYS = {
-    "rl.lr": "lr",
-    "rl.weight_decay": "weight_decay",
-    "rl.loss.clip_low": "clip_low",
-    "rl.loss.clip_high": "clip_high",
-    "seed": "",
-}
 RunFn = Callable[..., dict]
 
 
@@ -137,7 +144,8 @@ def run_sweep(
 
     Raises:
       ValueError: no sweep(add) in the experiment, a continued sweep whose spec or overrides
-        differ, or a vectorised sweep over keys outside ``VMAP_KEYS``.
+        differ, or a vectorised sweep over keys outside ``VMAP_KEYS`` or whose points differ in
+        RL settings that are not traced (raised before the sweep directory is created).
     """
     if sweep_dir is not None:
         state = _load_state(sweep_dir)
@@ -153,11 +161,14 @@ def run_sweep(
         if not points:
             raise ValueError(f"experiment {spec!r} has no sweep(add) points")
         base = load_config(spec, overrides)
+        vectorized = bool(base.get("sweep_vectorized", False))
+        if vectorized:
+            _check_vectorized_points(spec, overrides, points)
         sweep_dir = make_run_dir(base.workdir, f"{base.name}-sweep")
         state = {
             "spec": spec,
             "overrides": list(overrides),
-            "vectorized": bool(base.get("sweep_vectorized", False)),
+            "vectorized": vectorized,
             "points": [
                 {"index": i, "label": point_label(p), "overrides": p, "status": "pending"}
                 for i, p in enumerate(points)
@@ -196,11 +207,7 @@ def _run_point(spec, overrides, sweep_dir, state, entry, run_fn, progress) -> No
         summary = run_fn(cfg, resume_dir=entry["run_dir"], progress=progress)
         entry.update(status="done", error=None, summary=_plain_summary(summary))
     except Exception as e:  # noqa: BLE001 - a crashed point must not stop the sweep
-        entry.update(status="failed", error=f"{type(e).__name__}: {e}")
-        log.error("sweep point %s (%s) failed: %s", name, entry["label"], entry["error"])
-        if entry.get("run_dir") and os.path.isdir(entry["run_dir"]):
-            with open(os.path.join(entry["run_dir"], "error.txt"), "w") as f:
-                f.write(traceback.format_exc())
+        _record_failure(entry, e)
     entry["wall_s"] = round(time.perf_counter() - t0, 2)
     _save_state(sweep_dir, state)
 
@@ -250,163 +257,69 @@ def _finish(sweep_dir: str, state: dict) -> SweepResult:
     return SweepResult(sweep_dir=sweep_dir, rows=rows, table=table, plots=plots)
 
 
-# -- vectorised learner ---------------------------------------------------------------------------
+# -- vectorised driver ----------------------------------------------------------------------------
 
 
-class VecState(NamedTuple):
-    """Per-point learner state, every leaf stacked over the P sweep points.
+def _check_vectorized_points(spec: str, overrides: Sequence[str], points: list[dict]) -> None:
+    """Up-front ``check_vectorizable`` over the points whose config builds (the others fail
+    individually when the group runs)."""
+    from agentrl_jax.train.rl_loop import rl_config
 
-    Attributes:
-      params: model parameters [P, ...].
-      opt_state: clip + Adam moments [P, ...] (the learning rate and weight decay are applied
-        outside, from the swept values).
-      count: int32 [P], applied optimiser updates (drives the warmup/cosine schedule).
-      nonfinite: int32 [P], skipped (non-finite) updates.
-    """
-
-    params: Any
-    opt_state: Any
-    count: jax.Array
-    nonfinite: jax.Array
-
-
-def _core_tx(rl_cfg) -> optax.GradientTransformation:
-    parts = [optax.clip_by_global_norm(rl_cfg.grad_clip)] if rl_cfg.grad_clip is not None else []
-    parts.append(optax.scale_by_adam(b1=rl_cfg.b1, b2=rl_cfg.b2, eps=rl_cfg.eps))
-    return optax.chain(*parts)
+    keys = {k for p in points for k in p}
+    check_vectorizable([], keys)  # the keys first: cheap, before any config is built
+    rl_cfgs = []
+    for p in points:
+        try:
+            rl_cfgs.append(rl_config(apply_overrides(load_config(spec, overrides), p).rl))
+        except Exception:  # noqa: BLE001, S112 - reported per point when the group runs
+            continue
+    check_vectorizable(rl_cfgs, keys)
 
 
-def _traced_rl_config(rl_cfg, clip_low, clip_high):
-    """A copy of ``rl_cfg`` whose loss clip bounds are traced values (no validation: the
-    per-point configs were validated on the host; ``policy_loss`` uses them arithmetically)."""
-    from agentrl_jax.rl.losses import LossConfig
-    from agentrl_jax.rl.state import RLConfig
-
-    loss = object.__new__(LossConfig)
-    for f in dataclasses.fields(LossConfig):
-        object.__setattr__(loss, f.name, getattr(rl_cfg.loss, f.name))
-    object.__setattr__(loss, "clip_low", clip_low)
-    object.__setattr__(loss, "clip_high", clip_high)
-    out = object.__new__(RLConfig)
-    for f in dataclasses.fields(RLConfig):
-        object.__setattr__(out, f.name, getattr(rl_cfg, f.name))
-    object.__setattr__(out, "loss", loss)
-    return out
-
-
-def make_vmapped_update(model, rl_cfg, sampling_meta=None):
-    """``(init_fn, update_fn)`` of a learner vectorised over P sweep points.
-
-    ``init_fn(params_stacked) -> VecState``; ``update_fn(state, data, hp) -> (state, metrics)``
-    is one jitted ``jax.vmap`` of a single RL update (fused logprob recompute, one optimiser
-    update, non-finite skip), identical in value to ``rl.update.make_update_fn`` with the
-    point's config: clip_by_global_norm -> Adam -> ``-(lr * schedule(count)) * (u + wd * p)``
-    (decay on ndim >= 2 parameters), i.e. optax.adamw with the swept values as traced inputs.
-
-    Args:
-      model: the Transformer (shared architecture and dtype policy).
-      rl_cfg: the base RLConfig (non-swept knobs, static).
-      sampling_meta: chunk geometry for parity policies.
-
-    ``data`` is ``rl.update.prepare_batch`` output stacked over points ([P, B, ...]); ``hp`` maps
-    ``lr``, ``weight_decay``, ``clip_low``, ``clip_high`` to f32 [P]. Metrics are f32 [P].
-
-    Raises:
-      ValueError: ppo_epochs or n_minibatches != 1, or old_logprobs != 'recompute'.
-    """
-    from agentrl_jax.rl.logprobs import as_chunk_spec
-    from agentrl_jax.rl.mismatch import mismatch_metrics
-    from agentrl_jax.rl.state import learning_rate_schedule
-    from agentrl_jax.rl.update import make_grad_fn
-
-    for field, want in (("ppo_epochs", 1), ("n_minibatches", 1), ("old_logprobs", "recompute")):
-        if getattr(rl_cfg, field) != want:
-            raise ValueError(
-                f"vectorised sweeps need RLConfig.{field}={want!r}, got {getattr(rl_cfg, field)!r}"
-            )
-    spec = as_chunk_spec(sampling_meta)
-    core = _core_tx(rl_cfg)
-    unit_schedule = learning_rate_schedule(rl_cfg.replace(lr=1.0))
-
-    def init_fn(params_stacked) -> VecState:
-        p = jax.tree.leaves(params_stacked)[0].shape[0]
-        zero = jnp.zeros((p,), jnp.int32)
-        return VecState(params_stacked, jax.vmap(core.init)(params_stacked), zero, zero + 0)
-
-    def one(state: VecState, data: dict, hp: dict):
-        grad_fn = make_grad_fn(
-            model, _traced_rl_config(rl_cfg, hp["clip_low"], hp["clip_high"]), None, spec
-        )
-        rows = {k: v for k, v in data.items() if k != "rollout_routes"}
-        grads, metrics, aux = grad_fn(state.params, rows)
-        gnorm = optax.global_norm(grads)
-        u, new_opt = core.update(grads, state.opt_state, state.params)
-        lr = hp["lr"] * unit_schedule(state.count)
-        u = jax.tree.map(
-            lambda g, p: -lr * (g + hp["weight_decay"] * p) if jnp.ndim(p) >= 2 else -lr * g,
-            u,
-            state.params,
-        )
-        ok = (
-            jnp.isfinite(metrics["loss"]) & jnp.isfinite(gnorm) & jnp.isfinite(optax.global_norm(u))
-        )
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-        new_state = VecState(
-            params=keep(optax.apply_updates(state.params, u), state.params),
-            opt_state=keep(new_opt, state.opt_state),
-            count=state.count + ok.astype(jnp.int32),
-            nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
-        )
-        metrics = dict(metrics, grad_norm=gnorm, skipped=(~ok).astype(jnp.float32))
-        if "logp_rollout" in data:
-            mm = mismatch_metrics(aux["logp"], data["logp_rollout"], data["mask"])
-            metrics |= {f"mismatch/{k}": v for k, v in mm.items()}
-        return new_state, metrics
-
-    return init_fn, jax.jit(jax.vmap(one))
-
-
-def hyperparams(rl_cfgs: Sequence[Any]) -> dict[str, jax.Array]:
-    """The traced hyperparameters (f32 [P]) of the vectorised learner from per-point RLConfigs."""
-    return {
-        "lr": jnp.asarray([c.lr for c in rl_cfgs], jnp.float32),
-        "weight_decay": jnp.asarray([c.weight_decay for c in rl_cfgs], jnp.float32),
-        "clip_low": jnp.asarray([c.loss.clip_low for c in rl_cfgs], jnp.float32),
-        "clip_high": jnp.asarray([c.loss.clip_high for c in rl_cfgs], jnp.float32),
-    }
-
-
-def check_vectorizable(rl_cfgs: Sequence[Any], keys: set[str]) -> None:
-    """Raises ``ValueError`` if a swept key is not vectorisable or the static knobs differ."""
-    bad = sorted(k for k in keys if k not in VMAP_KEYS)
-    if bad:
-        raise ValueError(
-            f"sweep_vectorized=True cannot vectorise {bad}; allowed keys: {sorted(VMAP_KEYS)} "
-            "(set sweep_vectorized=False to run the points sequentially)"
-        )
-    traced = {"lr", "weight_decay"}
-    strip = lambda c: c.replace(
-        loss=dataclasses.replace(c.loss, clip_low=0.5, clip_high=0.5),
-        **{k: getattr(rl_cfgs[0], k) for k in traced},
-    )
-    if len({strip(c) for c in rl_cfgs}) != 1:
-        raise ValueError("vectorised points differ in RL settings that are not traced")
-
-
-def _row(tree, p: int):
-    return jax.tree.map(lambda a: a[p], tree)
+def _record_failure(entry: dict, exc: BaseException) -> None:
+    """Marks ``entry`` failed; writes the traceback to ``error.txt`` (call inside ``except``)."""
+    entry.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+    log.error("sweep point p%02d (%s) failed: %s", entry["index"], entry["label"], entry["error"])
+    if entry.get("run_dir") and os.path.isdir(entry["run_dir"]):
+        with open(os.path.join(entry["run_dir"], "error.txt"), "w") as f:
+            f.write(traceback.format_exc())
 
 
 class _Capture:
-    """Stands in for RLRun's update controller: keeps the batch, leaves the state alone."""
+    """Stands in for RLRun's update controller: keeps the batch, leaves the state alone (the
+    fallback controller's other attributes, read by checkpoints, are passed through)."""
 
-    def __init__(self, active):
-        self.active = active
+    def __init__(self, controller):
+        self._controller = controller
         self.batch = None
+
+    def __getattr__(self, name):
+        return getattr(self._controller, name)
 
     def __call__(self, state, batch, rng):
         self.batch = batch
         return state, {}
+
+
+@dataclasses.dataclass
+class _Point:
+    """One live point of a vectorised group (host side)."""
+
+    entry: dict
+    cfg: ConfigDict
+    rl_cfg: Any
+    init_key: Any = None  # which initial parameters (None: shared)
+    rl: Any = None  # RLRun
+    writer: Any = None
+    entropies: list = dataclasses.field(default_factory=list)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.rl is not None and self.rl.ckpt is not None:
+            self.rl.ckpt.close()
+            self.rl.ckpt = None
 
 
 def _run_vectorized(spec, overrides, sweep_dir, state, todo, progress) -> None:
@@ -415,99 +328,178 @@ def _run_vectorized(spec, overrides, sweep_dir, state, todo, progress) -> None:
     from agentrl_jax.model.config import ModelConfig
     from agentrl_jax.model.transformer import Transformer, init_params
     from agentrl_jax.precision import get_policy
-    from agentrl_jax.rl.update import prepare_batch
-    from agentrl_jax.train.checkpoint import stage_dir
+    from agentrl_jax.train.checkpoint import restore_params, stage_dir
     from agentrl_jax.train.rl_loop import LoopConfig, RLRun, _eval, _mode, rl_config
     from agentrl_jax.train.sft import SFTConfig, run_sft
 
     t0 = time.perf_counter()
+    points: list[_Point] = []
+    for e in todo:  # a point whose config does not build fails alone
+        try:
+            c = _point_config(spec, overrides, e)
+            points.append(_Point(e, c, rl_config(c.rl)))
+        except Exception as exc:  # noqa: BLE001
+            _record_failure(e, exc)
     try:
+        if not points:
+            raise _GroupDone
+        keys = {k for p in points for k in p.entry["overrides"]}
+        check_vectorizable([p.rl_cfg for p in points], keys)
         base = load_config(spec, overrides)
-        cfgs = [_point_config(spec, overrides, e) for e in todo]
-        rl_cfgs = [rl_config(c.rl) for c in cfgs]
-        check_vectorizable(rl_cfgs, {k for e in todo for k in e["overrides"]})
         model_cfg = to_dataclass(base.model, ModelConfig)
         policy = get_policy(base.policy)
+        model = Transformer(model_cfg, policy)
         loop = to_dataclass(base.train, LoopConfig)
-        shared = os.path.join(sweep_dir, "shared")
-        os.makedirs(shared, exist_ok=True)
+        # initial parameters: shared SFT / init_from, else each point's own seed (as rl_loop.run)
+        initial: dict[Any, Any] = {}
         if loop.sft:
+            shared = os.path.join(sweep_dir, "shared")
+            os.makedirs(shared, exist_ok=True)
             done = os.path.isdir(stage_dir(shared, "sft")) and os.listdir(stage_dir(shared, "sft"))
             sft_cfg = to_dataclass(base.sft, SFTConfig)
-            params, _ = run_sft(
+            initial[None], _ = run_sft(
                 model_cfg, policy, sft_cfg, shared, resume=bool(done), progress=progress
             )
+        elif loop.init_from:
+            template = init_params(model, jax.random.key(base.seed))
+            initial[None], _ = restore_params(loop.init_from, template)
         else:
-            params = init_params(Transformer(model_cfg, policy), jax.random.key(base.seed))
-        before = _eval(model_cfg, policy, params, base.eval) if loop.eval_before else None
-        runs, writers = [], []
-        for e, c in zip(todo, cfgs):
-            e["run_dir"] = _new_point_dir(sweep_dir, f"p{e['index']:02d}")
-            e["status"] = "running"
-            save_config(e["run_dir"], c)
-            runs.append(RLRun(c, e["run_dir"], params, resume=False))
-            runs[-1].controller = _Capture(runs[-1].controller.active)
-            writers.append(MetricsWriter(e["run_dir"]))
-            if before is not None:
-                writers[-1].write(0, {"heldout_success": _mode(before, "success")}, prefix="eval")
+            for p in points:
+                p.init_key = int(p.cfg.seed)
+                if p.init_key not in initial:
+                    initial[p.init_key] = init_params(model, jax.random.key(p.init_key))
+        before = (
+            {k: _eval(model_cfg, policy, v, base.eval) for k, v in initial.items()}
+            if loop.eval_before
+            else {}
+        )
+        for p in list(points):
+            e = p.entry
+            try:
+                e["run_dir"] = _new_point_dir(sweep_dir, f"p{e['index']:02d}")
+                e["status"] = "running"
+                save_config(e["run_dir"], p.cfg)
+                p.rl = RLRun(p.cfg, e["run_dir"], initial[p.init_key], resume=False)
+                p.rl.controller = _Capture(p.rl.controller)
+                p.writer = MetricsWriter(e["run_dir"])
+                if p.init_key in before:
+                    ev = {"heldout_success": _mode(before[p.init_key], "success")}
+                    p.writer.write(0, ev, prefix="eval")
+            except Exception as exc:  # noqa: BLE001
+                _record_failure(e, exc)
+                p.close()
+                points.remove(p)
         _save_state(sweep_dir, state)
-        model = Transformer(model_cfg, policy)
-        init_fn, update_fn = make_vmapped_update(model, rl_cfgs[0], runs[0].sampling)
-        stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
-        vstate = init_fn(stack([jax.tree.map(jnp.copy, params)] * len(runs)))
-        hp = hyperparams(rl_cfgs)
-        entropies = [[] for _ in runs]
+        if not points:
+            raise _GroupDone
+        init_fn, update_fn = make_vmapped_update(model, points[0].rl_cfg, points[0].rl.sampling)
+        vstate = init_fn(_stack([jax.tree.map(jnp.copy, initial[p.init_key]) for p in points]))
+        hp = hyperparams([p.rl_cfg for p in points])
         for step in range(loop.rl_steps):
-            step_metrics, data = [], []
-            for p, rl in enumerate(runs):
-                rl.state = rl.state._replace(params=_row(vstate.params, p))
-                step_metrics.append(rl.step(step))
-                data.append(prepare_batch(rl.controller.batch, rl.rl_cfg, model))
-            t1 = time.perf_counter()
-            vstate, vm = update_fn(vstate, stack(data), hp)
-            vm = jax.device_get(vm)
-            upd_s = (time.perf_counter() - t1) / len(runs)
-            for p, (rl, w) in enumerate(zip(runs, writers)):
-                m = step_metrics[p] | {k: float(v[p]) for k, v in vm.items()}
-                m["update_s"] = upd_s
-                m.pop("update_tokens_per_s", None)
-                rl.state = rl.state._replace(step=rl.state.step + 1)
-                entropies[p].append(m["entropy"])
-                w.write(step + 1, m, prefix="rl")
+            vstate, hp = _vec_step(points, step, vstate, hp, update_fn, model)
+            _save_state(sweep_dir, state)
+            if not points:
+                raise _GroupDone
             log.info("vectorised sweep step %d/%d done", step + 1, loop.rl_steps)
-        for p, (e, rl, w) in enumerate(zip(todo, runs, writers)):
-            final = _row(vstate.params, p)
-            after = _eval(model_cfg, policy, final, cfgs[p].eval)
-            w.write(loop.rl_steps, {"heldout_success": _mode(after, "success")}, prefix="eval")
-            w.close()
-            rl.ckpt.close()
-            summary = {
-                "heldout_success_before_rl": _mode(before, "success") if before else None,
-                "heldout_success_after_rl": _mode(after, "success"),
-                "goal_adherence_after_rl": _mode(after, "goal_adherence"),
-                "entropy_start": entropies[p][0] if entropies[p] else None,
-                "entropy_end": entropies[p][-1] if entropies[p] else None,
-                "nonfinite_steps": int(vstate.nonfinite[p]),
-                "rl_steps": loop.rl_steps,
-                "wall_s": round(time.perf_counter() - t0, 1),
-                "run_dir": e["run_dir"],
-                "vectorized": True,
-            }
-            with open(os.path.join(e["run_dir"], "summary.json"), "w") as f:
-                json.dump(summary, f, default=float)
-            e.update(status="done", error=None, summary=_plain_summary(summary))
-    except Exception as exc:  # noqa: BLE001 - report the group's failure, keep the sweep file
+        for i, p in enumerate(points):
+            try:
+                _finish_point(p, i, vstate, loop, before, t0)
+            except Exception as exc:  # noqa: BLE001
+                _record_failure(p.entry, exc)
+            p.close()
+    except _GroupDone:
+        pass
+    except Exception as exc:  # noqa: BLE001 - a shared stage failed: report the group's points
         log.error("vectorised sweep group failed: %s", exc)
-        for e in todo:
-            if e["status"] != "done":
-                e.update(status="failed", error=f"{type(exc).__name__}: {exc}")
-                if e.get("run_dir") and os.path.isdir(e["run_dir"]):
-                    with open(os.path.join(e["run_dir"], "error.txt"), "w") as f:
-                        f.write(traceback.format_exc())
+        for p in points:
+            if p.entry["status"] != "done":
+                _record_failure(p.entry, exc)
+            p.close()
     wall = round(time.perf_counter() - t0, 2)
     for e in todo:
         e["wall_s"] = wall  # one shared learner: the group's wall time
     _save_state(sweep_dir, state)
+
+
+def _row(tree, i: int):
+    return jax.tree.map(lambda a: a[i], tree)
+
+
+def _stack(trees: list):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+class _GroupDone(Exception):
+    """No live point left in a vectorised group."""
+
+
+def _vec_step(points, step, vstate, hp, update_fn, model):
+    """One RL step of a vectorised group: per-point rollouts, then one vmapped update. Points
+    whose rollouts raise are recorded, closed and dropped (``points`` is updated in place)."""
+    from agentrl_jax.rl.update import prepare_batch
+
+    metrics, data, alive = [], [], []
+    for i, p in enumerate(points):
+        try:
+            p.rl.state = p.rl.state._replace(params=_row(vstate.params, i))
+            metrics.append(p.rl.step(step))
+            data.append(prepare_batch(p.rl.controller.batch, p.rl.rl_cfg, model))
+            alive.append(i)
+        except Exception as exc:  # noqa: BLE001 - one point's crash must not stop the others
+            _record_failure(p.entry, exc)
+            p.close()
+    if len(alive) < len(points):
+        vstate, hp = take_points(vstate, alive), take_points(hp, alive)
+        points[:] = [points[i] for i in alive]
+        if not points:
+            return vstate, hp
+    t1 = time.perf_counter()
+    vstate, vm = update_fn(vstate, _stack(data), hp)
+    vm = jax.device_get(vm)
+    upd_s = (time.perf_counter() - t1) / len(points)
+    for i, (p, m) in enumerate(zip(points, metrics)):
+        m = m | {k: float(v[i]) for k, v in vm.items()}
+        m["update_s"] = upd_s
+        m.pop("update_tokens_per_s", None)
+        p.rl.state = p.rl.state._replace(step=p.rl.state.step + 1)
+        p.entropies.append(m["entropy"])
+        p.writer.write(step + 1, m, prefix="rl")
+    return vstate, hp
+
+
+def _finish_point(p: _Point, i: int, vstate: VecState, loop, before: dict, t0: float) -> None:
+    """Evaluation after RL, the final checkpoint and the summary of live point ``i``."""
+    from agentrl_jax.train.rl_loop import _eval, _mode
+
+    e = p.entry
+    final = _row(vstate.params, i)
+    after = _eval(p.rl.model_cfg, p.rl.policy, final, p.cfg.eval)
+    p.writer.write(loop.rl_steps, {"heldout_success": _mode(after, "success")}, prefix="eval")
+    i32 = lambda v: jnp.asarray(v, jnp.int32)
+    p.rl.state = p.rl.state._replace(
+        params=final,
+        opt_state=sequential_opt_state(p.rl_cfg, final, vstate, i),
+        nonfinite_count=i32(vstate.nonfinite[i]),
+    )
+    p.rl.save(loop.rl_steps)
+    b = before.get(p.init_key)
+    summary = {
+        "heldout_success_before_rl": _mode(b, "success") if b else None,
+        "heldout_success_after_rl": _mode(after, "success"),
+        "goal_adherence_before_rl": _mode(b, "goal_adherence") if b else None,
+        "goal_adherence_after_rl": _mode(after, "goal_adherence"),
+        "heldout_sampled_success_after_rl": after.get("sampled", {}).get("success"),
+        "entropy_start": p.entropies[0] if p.entropies else None,
+        "entropy_end": p.entropies[-1] if p.entropies else None,
+        "nonfinite_steps": int(vstate.nonfinite[i]),
+        "rl_steps": loop.rl_steps,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "run_dir": e["run_dir"],
+        "vectorized": True,
+    }
+    with open(os.path.join(e["run_dir"], "summary.json"), "w") as f:
+        json.dump(summary, f, default=float)
+    e.update(status="done", error=None, summary=_plain_summary(summary))
 
 
 def run_from_cli(args) -> int:
