@@ -20,6 +20,11 @@ pool runs short, new episodes wait, and a slot that cannot grow preempts the mos
 admitted slot, which later resumes by re-prefilling its exact tokens. Sampling keys depend on
 (episode id, position) only, so under a parity policy a preempted run reproduces the tokens of
 an unconstrained run.
+
+With ``disaggregate=Disaggregation(prefill_devices, decode_devices)`` prefill runs on one device
+sub-mesh and decode on another; the KV rows of prefilled slots move between them with
+``jax.device_put`` around every prefill (``rollout/disaggregation.py``; ``kv_moved_bytes`` per
+turn in the logs). Tokens and logprobs equal the colocated run's (bitwise under parity policies).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import numpy as np
 
 from agentrl_jax.envs.base import Env, Tokenizer
 from agentrl_jax.model.transformer import Transformer
+from agentrl_jax.rollout import disaggregation as dis
 from agentrl_jax.rollout.kv_cache import EvictionConfig, PagePool, kv_bytes_per_seq
 from agentrl_jax.rollout.sampler import SamplingConfig, get_sampler
 from agentrl_jax.rollout.trajectory import EpisodeRecord, Trajectory, stack_episodes, write_jsonl
@@ -58,6 +64,7 @@ class _Slot:
     cached: int = 0  # tokens of rec (+ turn) in the device cache
     turn_toks: list[int] = dataclasses.field(default_factory=list)
     turn_lp: list[float] = dataclasses.field(default_factory=list)
+    moved: int = 0  # KV bytes moved between prefill and decode sub-meshes since the last log
     generating: bool = False
     blocks: list = dataclasses.field(default_factory=list)  # [lo, hi, evicted_at or False]
 
@@ -79,6 +86,9 @@ class RolloutStats:
     max_pages_in_use: int = 0
     evicted_tokens: int = 0
     int8_tokens: int = 0
+    kv_moved_bytes: int = 0
+    prefill_devices: set = dataclasses.field(default_factory=set)  # ids holding prefill outputs
+    decode_devices: set = dataclasses.field(default_factory=set)
 
 
 def run_episodes(
@@ -102,6 +112,7 @@ def run_episodes(
     eviction: EvictionConfig | None = None,
     log_path: str | None = None,
     stats: RolloutStats | None = None,
+    disaggregate: dis.Disaggregation | None = None,
 ) -> Trajectory:
     """Plays one episode per task with the model as policy; returns the padded batch.
 
@@ -127,13 +138,14 @@ def run_episodes(
       eviction: KV eviction / int8 policy for finished tool outputs (see ``kv_cache.py``).
       log_path: if given, the per-turn records are appended there as JSONL.
       stats: optional counters filled in place.
+      disaggregate: prefill and decode on separate device sub-meshes (module docstring).
 
     Returns:
       The :class:`Trajectory`, padded to the longest episode rounded up to the decode chunk.
 
     Raises:
-      ValueError: for empty ``tasks``, ``n_slots < 1``, ``max_turns < 1`` or ``max_tokens`` out
-        of ``[2, max_len]``.
+      ValueError: for empty ``tasks``, ``n_slots < 1``, ``max_turns < 1``, ``max_tokens`` out
+        of ``[2, max_len]``, or ``disaggregate`` with KV eviction.
     """
     if not tasks:
         raise ValueError("tasks must be non-empty")
@@ -159,9 +171,23 @@ def run_episodes(
     if n_pages is not None:
         pool = PagePool(n_slots, n_pages, cfg.page_size, cfg.max_len, usable=page_budget)
     evicting = eviction is not None and eviction.threshold > 0
+    if disaggregate is not None and evicting:
+        raise ValueError("disaggregate does not support KV eviction / int8 (eviction=...)")
     state = sampler.init_state(n_slots, n_pages, track_mass=evicting)
+    split = None  # disaggregated: `state` lives on the decode mesh, split.state_a on prefill's
+    if disaggregate is not None:
+        tables = pool.tables if pool is not None else np.asarray(state.cache["block_tables"])
+        split = dis.Split(disaggregate, sampler, params, state, tables)
+        params, state = split.params_b, split.to_decode(state)
+
+    def reset_slots(mask, tables=None):
+        nonlocal state
+        state = sampler.reset_slots(state, mask, tables)
+        if split is not None:
+            state = split.reset(state, mask, tables)
+
     if pool is not None:
-        state = sampler.reset_slots(state, np.zeros(n_slots, bool), pool.tables)
+        reset_slots(np.zeros(n_slots, bool), pool.tables)
         pool.dirty = False
     int8 = evicting and eviction.int8
     never = np.iinfo(np.int32).max
@@ -261,6 +287,7 @@ def run_episodes(
             extra = list(slot.goal)
         new = list(obs) + extra
         kv = kv_bytes(rec)
+        slot.moved, moved = 0, slot.moved
         logs.append(
             dict(
                 episode=rec.uid,
@@ -273,6 +300,7 @@ def run_episodes(
                 pages_in_use=pool.owned(s) if pool else -(-len(rec.tokens) // cfg.page_size),
                 pool_pages_in_use=pool.in_use if pool else None,
                 kv_bytes=kv,
+                kv_moved_bytes=moved,
                 int8_tokens=sum(at <= len(rec.tokens) for at in rec.int8_at.values()),
                 tokens_so_far=len(rec.tokens),
                 new_tokens=len(action),
@@ -334,9 +362,7 @@ def run_episodes(
                 slots[s] = slot
                 reset[s] = True
             if reset.any() or (pool is not None and pool.dirty):
-                state = sampler.reset_slots(
-                    state, reset, None if pool is None else pool.tables.copy()
-                )
+                reset_slots(reset, None if pool is None else pool.tables.copy())
                 if pool is not None:
                     pool.dirty = False
 
@@ -359,7 +385,7 @@ def run_episodes(
             )
         if n_new.any():
             if pool is not None and pool.dirty:
-                state = sampler.reset_slots(state, np.zeros(n_slots, bool), pool.tables.copy())
+                reset_slots(np.zeros(n_slots, bool), pool.tables.copy())
                 pool.dirty = False
             state = sync(state)
             width = sampler.prefill_width(n_new.max())
@@ -368,7 +394,15 @@ def run_episodes(
                 sl = slots[s]
                 stream = sl.rec.tokens + sl.turn_toks
                 toks[s, : n_new[s]] = stream[sl.cached :]
-            state, routes = sampler.prefill(params, state, toks, n_new)
+            if split is None:
+                state, routes = sampler.prefill(params, state, toks, n_new)
+            else:
+                cached = np.asarray([0 if sl is None else sl.cached for sl in slots])
+                state, routes, moved = split.prefill(state, toks, n_new, cached)
+                for s in np.nonzero(moved)[0]:
+                    slots[s].moved += int(moved[s])
+                stats.kv_moved_bytes += int(moved.sum())
+                stats.prefill_devices = split.prefill_devices
             routes = None if routes is None else np.asarray(routes)
             for s in np.nonzero(n_new)[0]:
                 sl = slots[s]
@@ -412,13 +446,15 @@ def run_episodes(
             continue
         if pool is not None:
             if pool.dirty:
-                state = sampler.reset_slots(state, np.zeros(n_slots, bool), pool.tables.copy())
+                reset_slots(np.zeros(n_slots, bool), pool.tables.copy())
                 pool.dirty = False
             stats.max_pages_in_use = max(stats.max_pages_in_use, pool.in_use)
         state = sync(state)
         uids = np.asarray([sl.rec.uid if sl is not None else 0 for sl in slots], np.int32)
         stop_after = 1 if continuous else int(active.sum())
         state, out = sampler.decode(params, state, rng, uids, active, budget, np.int32(stop_after))
+        if split is not None:
+            stats.decode_devices |= {d.id for d in out.tokens.sharding.device_set}
         out = jax.device_get(out)
         dirty["mass"] = None
         stats.decode_calls += 1
