@@ -324,6 +324,7 @@ class Attention(nn.Module):
         cache: dict | None = None,
         meta: dict | None = None,
         valid: jax.Array | None = None,
+        group: jax.Array | None = None,
     ) -> tuple[jax.Array, dict | None]:
         """x [B,T,D] -> ([B,T,D], new layer cache or None).
 
@@ -331,7 +332,10 @@ class Attention(nn.Module):
         ``meta`` holds ``lengths`` int32 [B] (tokens cached before this chunk) and, for F/D,
         ``block_tables`` int32 [B, max_pages], optionally ``keep`` bool [B, S] and
         ``int8_at`` int32 [B, S] (module docstring); ``valid`` bool [B,C] marks the real rows (a
-        prefix of each row of the chunk).
+        prefix of each row of the chunk). ``group``: None when ``cache`` is this layer's own
+        (``init_layer_cache`` shapes); else an int32 scalar and ``cache`` holds every pattern
+        group's buffers stacked on a leading axis ([G, ...]), of which this layer reads and
+        updates entry ``group`` in place (see ``_chunk``).
         """
         cfg, pol = self.cfg, self.policy
         n, kh, h, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
@@ -369,7 +373,7 @@ class Attention(nn.Module):
             out = self._teacher(q, k, v, positions)
             new_cache = None
         else:
-            out, new_cache = self._chunk(q, k, v, positions, cache, meta, valid)
+            out, new_cache = self._chunk(q, k, v, positions, cache, meta, valid, group)
 
         if self.kind == "S":
             wg = self.param(
@@ -400,7 +404,21 @@ class Attention(nn.Module):
         )
 
     # Chunked with cache ------------------------------------------------------------------
-    def _chunk(self, q, k, v, positions, cache, meta, valid):
+    def _chunk(self, q, k, v, positions, cache, meta, valid, group):
+        """Chunked attention; returns (out [B,C,N,H], new cache of the same layout as ``cache``).
+
+        Stacked layout (``group`` given): the buffers keep their [G, ...] shape and only this
+        chunk's rows are scattered into entry ``group``; paged pools are addressed as one flat
+        pool of G*P pages (a free reshape) with the block tables offset by ``group * P``, so
+        neither the write nor the gather (nor the decode kernel) copies a whole pool. Inside the
+        transformer's layer scan the stacked buffers are the loop carry, so the updates happen in
+        place (a per-layer slice as scan input/output would copy every pool each step).
+        """
+        if group is None:  # one layer's own buffers: a stack of one
+            out, new = self._chunk(
+                q, k, v, positions, jax.tree.map(lambda a: a[None], cache), meta, valid, 0
+            )
+            return out, jax.tree.map(lambda a: a[0], new)
         cfg, pol = self.cfg, self.policy
         b, c = q.shape[:2]
         lengths = meta["lengths"]
@@ -409,7 +427,7 @@ class Attention(nn.Module):
         kd, vd = k.astype(pool_dtype(pol)), v.astype(pool_dtype(pol))
         if self.kind == "S":
             w = cfg.window
-            ring_k, ring_v = cache["k"], cache["v"]
+            ring_k, ring_v = cache["k"][group], cache["v"][group]
             # The ring's W slots and the chunk's C rows hold positions len-W .. len+C-1, one of
             # each residue mod W+C. Keys are laid out at slot ``position mod (W+C)`` so a key
             # sits at the same index whichever chunk brought it: the softmax then reduces in the
@@ -435,17 +453,21 @@ class Attention(nn.Module):
             write = valid & (positions >= new_len[:, None] - w)
             slot = jnp.where(write, positions % w, w)  # w is out of range -> dropped
             bidx = jnp.broadcast_to(jnp.arange(b)[:, None], (b, c))
-            new_k = ring_k.at[bidx, slot].set(kd, mode="drop")
-            new_v = ring_v.at[bidx, slot].set(vd, mode="drop")
+            new_k = cache["k"].at[group, bidx, slot].set(kd, mode="drop")
+            new_v = cache["v"].at[group, bidx, slot].set(vd, mode="drop")
             return out, {"k": new_k, "v": new_v}
 
-        pool_k, pool_v = cache["k"], cache["v"]
-        n_pages, page = pool_k.shape[:2]
-        tables = meta["block_tables"]
+        shape = cache["k"].shape  # [G, P, L, K, H]
+        n_pages, page = shape[1:3]
+        flat = n_pages * shape[0]
+        pool_k = cache["k"].reshape(flat, *shape[2:])
+        pool_v = cache["v"].reshape(flat, *shape[2:])
+        raw = meta["block_tables"]
+        tables = jnp.where(raw >= 0, raw + group * n_pages, -1)  # ids in the flat pool
         page_of = jnp.take_along_axis(
             tables, jnp.clip(positions // page, 0, tables.shape[1] - 1), axis=1
         )
-        page_of = jnp.where(valid & (page_of >= 0), page_of, n_pages)  # invalid -> dropped
+        page_of = jnp.where(valid & (page_of >= 0), page_of, flat)  # invalid -> dropped
         slot = positions % page
         pool_k = pool_k.at[page_of, slot].set(kd, mode="drop")
         pool_v = pool_v.at[page_of, slot].set(vd, mode="drop")
@@ -453,13 +475,17 @@ class Attention(nn.Module):
         int8_at = _int8_at(meta, pol, s, page)
         if int8_at is not None:  # int8 KV: decisions taking effect in this chunk, in place
             pool_k, pool_v = int8_page_update(pool_k, pool_v, tables, int8_at, lengths, new_len)
+
+        def result(out, **extra):
+            return out, {"k": pool_k.reshape(shape), "v": pool_v.reshape(shape), **extra}
+
         use_kernel = self.decode_kernel and c == 1 and "keep" not in meta and "mass" not in cache
         if use_kernel and self.kind == "D":
             out = kernels.paged_decode_attention(
                 q[:, 0], pool_k, pool_v, tables, new_len, impl=pol.kernel_impl
             )
-            return out[:, None].astype(pol.compute), {"k": pool_k, "v": pool_v}
-        safe = jnp.maximum(tables, 0)
+            return result(out[:, None].astype(pol.compute))
+        safe = jnp.maximum(raw, 0) + group * n_pages
         keys = pool_k[safe].reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
         vals = pool_v[safe].reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
         kpos = jnp.arange(s)
@@ -478,17 +504,17 @@ class Attention(nn.Module):
                 k_valid=k_valid,
             )
             if use_kernel:
-                out = _sparse_decode(q, pool_k, pool_v, tables, idx, positions, new_len, cfg, pol)
-                return out, {"k": pool_k, "v": pool_v}
+                return result(
+                    _sparse_decode(q, pool_k, pool_v, tables, idx, positions, new_len, cfg, pol)
+                )
             kblock = kpos // cfg.sparse_block_size
             sel = jnp.any(idx[..., None] == kblock, axis=-2)  # [B, C, K, S]
             mask = mask & sel
         if "mass" not in cache:
-            out = masked_attention(q, keys, vals, mask, pol)
-            return out, {"k": pool_k, "v": pool_v}
+            return result(masked_attention(q, keys, vals, mask, pol))
         # rollout KV eviction: accumulate the attention mass each cached position receives
         # from valid queries (mean over heads); same numbers as without it
         out, p = masked_attention(q, keys, vals, mask, pol, return_probs=True)
         w = valid.astype(jnp.float32)[:, :, None, None, None]
         got = jnp.sum(p.astype(jnp.float32) * w, axis=(1, 2, 3)) / (p.shape[2] * p.shape[3])
-        return out, {"k": pool_k, "v": pool_v, "mass": cache["mass"] + got}
+        return result(out, mass=cache["mass"].at[group].add(got))

@@ -45,11 +45,11 @@ class Block(nn.Module):
     decode_kernel: bool = False
 
     @nn.compact
-    def __call__(self, x, positions, cache, meta, valid, replay):
+    def __call__(self, x, positions, cache, meta, valid, replay, group=None):
         cfg, pol = self.cfg, self.policy
         h = RMSNorm(cfg, pol, name="attn_norm")(x)
         a, cache = Attention(cfg, pol, self.kind, self.decode_kernel, name="attn")(
-            h, positions, cache=cache, meta=meta, valid=valid
+            h, positions, cache=cache, meta=meta, valid=valid, group=group
         )
         x = x + a
         h = RMSNorm(cfg, pol, name="ffn_norm")(x)
@@ -62,15 +62,22 @@ class Block(nn.Module):
 
 
 class Group(nn.Module):
-    """One repetition of the layer pattern: the body of the depth scan."""
+    """One repetition of the layer pattern: the body of the depth scan.
+
+    Caches come one of two ways (``Transformer`` docstring): stacked in the carry
+    ``(x, caches)`` with this group's index in ``xs`` (updated in place), or this group's slice
+    in ``xs`` and returned as a scan output.
+    """
 
     cfg: ModelConfig
     policy: DTypePolicy
     decode_kernel: bool = False
 
     @nn.compact
-    def __call__(self, x, xs, positions, meta, valid):
-        caches, replay = xs
+    def __call__(self, carry, xs, positions, meta, valid):
+        x, stacked = carry
+        group, sliced, replay = xs
+        caches = sliced if stacked is None else stacked
         new_caches, routes, aux_sum = {}, [], {}
         for i, kind in enumerate(self.cfg.layer_pattern):
             name = f"layer_{i}"
@@ -81,6 +88,7 @@ class Group(nn.Module):
                 meta,
                 valid,
                 None if replay is None else replay[:, :, i],
+                None if stacked is None else group,
             )
             if c is not None:
                 new_caches[name] = c
@@ -89,7 +97,9 @@ class Group(nn.Module):
             for key, value in aux.items():
                 aux_sum[key] = aux_sum.get(key, 0.0) + value
         routes = jnp.stack(routes, axis=2) if routes else None  # [B, T, P, k]
-        return x, (new_caches or None, routes, aux_sum)
+        if stacked is not None:
+            return (x, new_caches), (None, routes, aux_sum)
+        return (x, None), (new_caches or None, routes, aux_sum)
 
 
 class Transformer(nn.Module):
@@ -97,6 +107,15 @@ class Transformer(nn.Module):
 
     ``decode_kernel``: one-row chunks of F/D layers attend through the paged decode kernel
     (``model.attention`` docstring; same parameters, numbers equal up to reduction order).
+
+    Cache plumbing through the depth scan: without remat the stacked layer caches ([G, ...])
+    are the scan carry and each layer scatters its new rows into its group's entry in place, so
+    a decode step touches only the new rows and the pages it reads. Passing per-group slices as
+    scan input/output instead makes XLA slice out, rebuild and copy every pool on every call
+    (per-step cost grows with the pool, i.e. with batch x ``max_len``). Under remat the slices
+    are kept: a rematerialised group saves its inputs for the backward pass, and a stacked
+    carry would be saved once per group. Both ways compute the same numbers (only gathers and
+    scatters differ).
     """
 
     cfg: ModelConfig
@@ -157,9 +176,19 @@ class Transformer(nn.Module):
             length=cfg.n_groups,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x, (new_layers, routes, aux) = scanned(cfg, pol, self.decode_kernel, name="groups")(
-            x, (layer_caches, replay), positions, meta, valid
+        in_carry = layer_caches is not None and cfg.remat == "none"
+        groups = jnp.arange(cfg.n_groups, dtype=jnp.int32)
+        (x, carried), (new_layers, routes, aux) = scanned(
+            cfg, pol, self.decode_kernel, name="groups"
+        )(
+            (x, layer_caches if in_carry else None),
+            (groups, None if in_carry else layer_caches, replay),
+            positions,
+            meta,
+            valid,
         )
+        if in_carry:
+            new_layers = carried
         x = RMSNorm(cfg, pol, name="final_norm")(x)
         logits = embedder.decode(x)
 
