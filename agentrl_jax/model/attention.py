@@ -286,6 +286,29 @@ def _sparse_decode(q, pool_k, pool_v, tables, idx, positions, new_len, cfg, poli
     return out.reshape(b, 1, n, h).astype(policy.compute)
 
 
+def page_buckets(max_pages: int, ratio: float = 1.25) -> tuple[int, ...]:
+    """Static page counts the decode kernel path is compiled for: ``max_pages`` and smaller
+    ones, each about ``ratio`` below the next, down to 1 (ascending)."""
+    sizes, n = {max_pages}, max_pages
+    while n > 1:
+        n = max(1, min(n - 1, int(n / ratio)))
+        sizes.add(n)
+    return tuple(sorted(sizes))
+
+
+def over_live_pages(fn, tables: jax.Array, new_len: jax.Array, page: int):
+    """``fn(n)`` for the smallest bucket ``n`` (:func:`page_buckets`) holding every slot's pages.
+
+    ``fn(n)`` may read only the first ``n`` block-table entries: pages past every slot's length
+    are masked anyway, so decode cost follows the longest live slot instead of ``max_len``. One
+    ``lax.switch`` branch per bucket (all compiled; the one taken is picked on device).
+    """
+    sizes = page_buckets(tables.shape[1])
+    live = jnp.clip(-(-jnp.max(new_len) // page), 1, sizes[-1])
+    index = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), live.astype(jnp.int32))
+    return jax.lax.switch(index, [lambda n=n: fn(n) for n in sizes])
+
+
 def init_layer_cache(
     kind: str,
     cfg: ModelConfig,
@@ -481,10 +504,35 @@ class Attention(nn.Module):
 
         use_kernel = self.decode_kernel and c == 1 and "keep" not in meta and "mass" not in cache
         if use_kernel and self.kind == "D":
-            out = kernels.paged_decode_attention(
-                q[:, 0], pool_k, pool_v, tables, new_len, impl=pol.kernel_impl
+            out = over_live_pages(
+                lambda n: kernels.paged_decode_attention(
+                    q[:, 0], pool_k, pool_v, tables[:, :n], new_len, impl=pol.kernel_impl
+                ),
+                tables,
+                new_len,
+                page,
             )
             return result(out[:, None].astype(pol.compute))
+        if use_kernel:  # F: block selection and the kernel over the live pages only
+            sel_topk = min(cfg.sparse_topk_blocks, -(-s // cfg.sparse_block_size))
+
+            def sparse(n):
+                safe = jnp.maximum(raw[:, :n], 0) + group * n_pages
+                keys = pool_k[safe].reshape(b, n * page, cfg.n_kv_heads, cfg.head_dim)
+                idx = select_blocks(
+                    q,
+                    keys,
+                    block_size=cfg.sparse_block_size,
+                    topk_blocks=cfg.sparse_topk_blocks,
+                    q_positions=positions,
+                    k_valid=jnp.arange(n * page)[None, :] < new_len[:, None],
+                )
+                pad = sel_topk - idx.shape[-1]  # fewer blocks than the full width: unused (-1)
+                idx = jnp.pad(idx, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=-1)
+                tb = tables[:, :n]
+                return _sparse_decode(q, pool_k, pool_v, tb, idx, positions, new_len, cfg, pol)
+
+            return result(over_live_pages(sparse, tables, new_len, page))
         safe = jnp.maximum(raw, 0) + group * n_pages
         keys = pool_k[safe].reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
         vals = pool_v[safe].reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
@@ -503,10 +551,6 @@ class Attention(nn.Module):
                 q_positions=positions,
                 k_valid=k_valid,
             )
-            if use_kernel:
-                return result(
-                    _sparse_decode(q, pool_k, pool_v, tables, idx, positions, new_len, cfg, pol)
-                )
             kblock = kpos // cfg.sparse_block_size
             sel = jnp.any(idx[..., None] == kblock, axis=-2)  # [B, C, K, S]
             mask = mask & sel

@@ -8,6 +8,7 @@ from conftest import CFG, N_SLOTS, SAMPLING
 from test_agent_loop import play
 
 from agentrl_jax import kernels
+from agentrl_jax.model.attention import over_live_pages, page_buckets
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache, init_params
 from agentrl_jax.precision import get_policy
@@ -95,3 +96,17 @@ def test_decode_calls_the_kernel_only_for_fast_policies(monkeypatch, fp32_model,
         assert bool(seen) == want and sampler.uses_decode_kernel(st) == want
         # the F layer of "SF": one call per KV head (vmapped), impl from the policy
         assert all(impl == "auto" for impl in seen)
+
+
+@pytest.mark.parametrize("max_pages", [1, 3, 12, 512])
+def test_page_buckets_ascending_down_to_one(max_pages):
+    sizes = page_buckets(max_pages)
+    assert sizes[0] == 1 and sizes[-1] == max_pages
+    assert all(a < b <= 1.25 * a + 1 for a, b in zip(sizes, sizes[1:]))
+
+
+def test_over_live_pages_takes_the_smallest_bucket_holding_every_slot():
+    tables = jnp.zeros((2, 12), jnp.int32)  # buckets 1, 2, 3, 4, 5, 7, 9, 12
+    for lens, want in (([0, 0], 1), ([16, 3], 1), ([17, 0], 2), ([81, 5], 7), ([192, 1], 12)):
+        got = over_live_pages(lambda n: jnp.int32(n), tables, jnp.asarray(lens), page=16)
+        assert int(got) == want, lens
