@@ -42,7 +42,7 @@ def test_reset_format(env):
         ("view", "functions :"),
         ("mix", "error unknown tool mix"),
         ("run L3", "error run takes 0 args got 1"),
-        ("sub +", "error sub takes 2 to 3 args got 1"),
+        ("sub +", "error sub takes 2 + args got 1"),
         ("sub + -", "error no cursor line give a line"),
         ("edit L150 x = 1", "error line L150 out of range"),
         ("edit x = 1", "error no cursor line give a line"),
@@ -220,3 +220,32 @@ def test_golden_trace_off_gives_no_want_marker(env):
     assert any(" want " in ln for ln in traced_on)
     assert traced_off and not any(" want " in ln for ln in traced_off)
     assert env.state.cursor == -1
+
+
+def test_sub_with_several_new_words_inserts_and_glues_digits(env):
+    task = make_task(4, 1, bug_types=("syntax",))
+    env.reset(task)
+    k = next(i for i, ln in enumerate(env.state.lines) if len(ln) >= 3 and ln[1] == "=")
+    before = env.state.lines[k]
+    target = before[2]
+    if before.count(target) == 1:
+        obs, res = env.step(call(env, f"sub L{k} {target} 1 2 + {target}"))
+        assert not res.log["error"], obs_text(env, obs)
+        assert env.state.lines[k] == before[:2] + ("12", "+", target) + before[3:]
+    _, res = env.step(call(env, f"sub L{k} = <obs>"))
+    assert res.log["error"]
+
+
+def test_dropped_word_bugs_are_fixed_by_an_inserting_sub():
+    n = 0
+    for seed in range(40):
+        task = make_task(seed, 1, bug_types=("syntax",))
+        bug = task.bugs[0]
+        if bug.subtype in ("drop_op", "drop_paren") and bug.fix[0] == "sub":
+            n += 1
+            assert len(bug.fix) == 5
+            env = CodeRepairEnv()
+            env.reset(task)
+            env.step(call(env, " ".join(bug.fix)))
+            assert tuple(env.state.lines[bug.line]) == bug.original
+    assert n >= 10

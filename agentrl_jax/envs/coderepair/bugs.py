@@ -10,8 +10,9 @@ Bug types (``config.BUG_TYPES``) and their subtypes:
   * ``missing_dependency``: ``typo`` (a call to a misspelled, undefined function name).
 
 Each bug keeps its own fix as a tool call: ``sub Lk BAD GOOD`` when the mutation replaced one
-word that is unique in its line (four tokens), else ``edit Lk <original line>``. Bugs never touch
-``def`` lines, distractor functions or the function named by a "do not modify" constraint, and
+word that is unique in its line (four tokens), ``sub Lk W OP W`` / ``sub Lk W W )`` when it
+dropped a word next to a word W unique in its line, else ``edit Lk <original line>``. Bugs never
+touch ``def`` lines, distractor functions or the function named by a "do not modify" constraint, and
 each bug alone makes at least one visible test fail.
 """
 
@@ -120,12 +121,22 @@ def _candidates(
 
 
 def _fix(line: int, original: tuple[str, ...], mutated: tuple[str, ...]) -> tuple[str, ...]:
+    """The shortest repair call: a one-word ``sub``, an inserting ``sub`` (a dropped word put
+    back beside a neighbour that is unique in the line), else ``edit`` of the whole line."""
     if len(original) == len(mutated):
         diff = [p for p in range(len(original)) if original[p] != mutated[p]]
         if len(diff) == 1:
             bad, good = mutated[diff[0]], original[diff[0]]
             if mutated.count(bad) == 1:
                 return ("sub", f"L{line}", bad, good)
+    if len(original) == len(mutated) + 1:
+        pos = next((p for p in range(len(mutated)) if original[p] != mutated[p]), len(mutated))
+        if original[:pos] + original[pos + 1 :] == mutated:
+            dropped = original[pos]
+            if pos < len(mutated) and mutated.count(mutated[pos]) == 1:
+                return ("sub", f"L{line}", mutated[pos], dropped, mutated[pos])
+            if pos > 0 and mutated.count(mutated[pos - 1]) == 1:
+                return ("sub", f"L{line}", mutated[pos - 1], mutated[pos - 1], dropped)
     return ("edit", f"L{line}", *original)
 
 

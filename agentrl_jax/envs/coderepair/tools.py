@@ -15,8 +15,9 @@ Calls (words after ``<call>``) and what they answer:
   * ``edit La <words>``: replace line a; ``edit La Lb <line> <nl> <line> ...``: replace lines
     a..b by any number of lines (later line ids shift). ``edit <words>`` (no line id) replaces
     the cursor line. Answers ``ok`` and the new lines.
-  * ``sub La OLD NEW``: replace the single occurrence of word OLD in line a by NEW; ``sub OLD
-    NEW`` does it on the cursor line.
+  * ``sub La OLD NEW ...``: replace the single occurrence of word OLD in line a by the word(s)
+    NEW (``sub L4 b + b`` inserts a ``+`` before ``b``); ``sub OLD NEW ...`` does it on the
+    cursor line.
   * ``submit``: run every test (hidden ones too) and check the rule; ends the episode.
 
 The cursor spares a small model from copying line ids (measured: a 0.4M-parameter model trained
@@ -64,6 +65,19 @@ def line_arg(word: str, n_lines: int) -> int:
     if not 0 <= k < n_lines:
         raise ToolError(f"line {word} out of range L0 L{n_lines - 1}")
     return k
+
+
+def _code_words(words: list[str]) -> tuple[str, ...]:
+    """Tool arguments as code words: digits glued into numbers. Raises ToolError on specials."""
+    out: list[str] = []
+    for w in words:
+        if is_special(w):
+            raise ToolError(f"unexpected {w}")
+        if w.isdigit() and out and out[-1].isdigit():
+            out[-1] += w  # code is read with digits glued into numbers
+        else:
+            out.append(w)
+    return tuple(out)
 
 
 def cursor_line(st: RepairState) -> int:
@@ -224,12 +238,8 @@ class EditTool:
         for w in [*body, "<nl>"]:
             if w == "<nl>":
                 if cur:
-                    new.append(tuple(cur))
+                    new.append(_code_words(cur))
                 cur = []
-            elif is_special(w):
-                raise ToolError(f"unexpected {w}")
-            elif w.isdigit() and cur and cur[-1].isdigit():
-                cur[-1] += w  # code is read with digits glued into numbers
             else:
                 cur.append(w)
         if hi == lo and not new:
@@ -250,17 +260,17 @@ class EditTool:
 class SubTool:
     name: str = "sub"
     min_args: int = 2
-    max_args: int = 3
+    max_args: int = -1
     mutates: bool = True
 
     def __call__(self, ctx: ToolContext, args: list[str]) -> str:
         st: RepairState = ctx.state
-        if len(args) == 2:
+        if not _LINE_ID.fullmatch(args[0]):
             args = [f"L{cursor_line(st)}", *args]
         k = line_arg(args[0], len(st.lines))
-        old, new = args[1], args[2]
-        if is_special(new):
-            raise ToolError(f"unexpected {new}")
+        if len(args) < 3:
+            raise ToolError("sub needs OLD and NEW")
+        old, new = args[1], _code_words(args[2:])
         words = st.lines[k]
         n = words.count(old)
         if n == 0:
@@ -268,7 +278,7 @@ class SubTool:
         if n > 1:
             raise ToolError(f"{old} occurs {n} times in L{k} use edit")
         pos = words.index(old)
-        st.lines[k] = words[:pos] + (new,) + words[pos + 1 :]
+        st.lines[k] = words[:pos] + new + words[pos + 1 :]
         return "ok " + _line_text(st.lines, k)
 
 
