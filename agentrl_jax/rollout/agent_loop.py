@@ -135,7 +135,8 @@ def run_episodes(
         appended again as environment tokens.
       group_ids: per task group id (default: the task index).
       process_weights: weight per process-signal key (default 1.0 each) for ``process_rewards``.
-      eviction: KV eviction / int8 policy for finished tool outputs (see ``kv_cache.py``).
+      eviction: KV eviction / int8 policy for finished tool outputs (see ``kv_cache.py``);
+        None: from ``sampling_cfg.eviction_threshold`` / ``eviction_int8`` (off by default).
       log_path: if given, the per-turn records are appended there as JSONL.
       stats: optional counters filled in place.
       disaggregate: prefill and decode on separate device sub-meshes (module docstring).
@@ -170,6 +171,8 @@ def run_episodes(
     pool = None
     if n_pages is not None:
         pool = PagePool(n_slots, n_pages, cfg.page_size, cfg.max_len, usable=page_budget)
+    if eviction is None and cfg.eviction_threshold > 0:
+        eviction = EvictionConfig(threshold=cfg.eviction_threshold, int8=cfg.eviction_int8)
     evicting = eviction is not None and eviction.threshold > 0
     if disaggregate is not None and evicting:
         raise ValueError("disaggregate does not support KV eviction / int8 (eviction=...)")

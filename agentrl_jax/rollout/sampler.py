@@ -65,6 +65,10 @@ class SamplingConfig:
       max_len: cache capacity per sequence (tokens).
       decode_kernel: decode one row per step through the paged decode kernel under non-parity
         policies (module docstring); ignored under parity policies.
+      eviction_threshold: KV eviction of finished tool outputs (``kv_cache.EvictionConfig``
+        threshold, in [0, 1]; 0 disables): the agent loop's default when it is given no
+        ``eviction`` (so ``agentrl train`` sets it as ``rollout.eviction_threshold``).
+      eviction_int8: with ``eviction_threshold``: move those tokens' K/V to int8 instead.
     """
 
     temperature: float = 1.0
@@ -78,6 +82,8 @@ class SamplingConfig:
     page_size: int = 16
     max_len: int = 512
     decode_kernel: bool = True
+    eviction_threshold: float = 0.0
+    eviction_int8: bool = False
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -94,6 +100,10 @@ class SamplingConfig:
             raise ValueError(
                 f"SamplingConfig.max_len={self.max_len} must be >= chunk={self.chunk} and a "
                 f"multiple of page_size={self.page_size}"
+            )
+        if not 0.0 <= self.eviction_threshold <= 1.0:
+            raise ValueError(
+                f"SamplingConfig.eviction_threshold={self.eviction_threshold} must be in [0, 1]"
             )
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
 

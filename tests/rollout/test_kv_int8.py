@@ -98,3 +98,18 @@ def test_kv_bytes_int8_accounting():
     assert (
         kv_bytes_per_seq(CFG, q, 20, page) == ring + 16 * per_tok + 2 * 2 * k * 4 + 8 * per_tok * 2
     )
+
+
+def test_sampling_config_eviction_fields_are_the_default_eviction(fp32_model, tokenizer):
+    """``rollout.eviction_threshold`` / ``eviction_int8`` (config keys) act as ``eviction=``."""
+    model, params = fp32_model
+    cfg = SAMPLING.replace(eviction_threshold=0.9, eviction_int8=True)
+    via_cfg, _, stats = play(model, params, tokenizer, sampling_cfg=cfg)
+    explicit, _, _ = play(
+        model, params, tokenizer, eviction=EvictionConfig(threshold=0.9, int8=True)
+    )
+    assert stats.int8_tokens > 0
+    for name in ("tokens", "kv_int8_at", "kv_evict_at", "rollout_logprobs"):
+        np.testing.assert_array_equal(getattr(via_cfg, name), getattr(explicit, name))
+    with pytest.raises(ValueError, match="eviction_threshold"):
+        SAMPLING.replace(eviction_threshold=1.5)
