@@ -2,7 +2,8 @@
 one jitted update -> periodic held-out evaluation -> orbax checkpoints.
 
 ``agentrl train experiments/default.py`` (``make train``) runs :func:`run` and ends with one JSON
-summary line (``heldout_success_before_rl``, ``heldout_success_after_rl``,
+summary line (``heldout_success_before_rl``, ``heldout_success_after_rl`` (greedy),
+``heldout_sampled_success_before_rl``, ``heldout_sampled_success_after_rl``,
 ``goal_adherence_after_rl``, ``entropy_start``, ``entropy_end``, ``nonfinite_steps``, ``wall_s``,
 ``run_dir``). ``agentrl train SPEC --resume RUN_DIR`` continues a run from its latest RL
 checkpoint: params, optimiser state, PRNG key, step, the task pipeline's iterator and
@@ -417,6 +418,9 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
         "heldout_success_after_rl": _mode(after, "success"),
         "goal_adherence_before_rl": prior.get("goal_adherence_before_rl"),
         "goal_adherence_after_rl": _mode(after, "goal_adherence"),
+        "heldout_sampled_success_before_rl": prior.get("eval_before", {})
+        .get("sampled", {})
+        .get("success"),
         "heldout_sampled_success_after_rl": after.get("sampled", {}).get("success"),
         "entropy_start": finite[0] if finite else None,
         "entropy_end": finite[-1] if finite else None,
