@@ -6,7 +6,8 @@ last ``window`` of them. Pages may be float32/bfloat16, or int8 with one float s
 and kv head (dequantised value = int8 * scale). ``lengths[b] == 0`` returns zeros.
 
 Einsum legend: B batch, K kv heads, G query heads per kv head (N = K * G), H head dim,
-S cached token (page-major: page j slot o is token j * page_size + o).
+S cached token (page-major: page j slot o is token j * page_size + o), T cached (token, kv head)
+pair in page-pool order.
 """
 
 from __future__ import annotations
@@ -132,8 +133,14 @@ def paged_decode_attention_xla(
 ) -> jax.Array:
     """XLA implementation: gathers pages (only the window's pages when ``window`` is set).
 
-    int8 pages are multiplied into the logits / probabilities by their per-page scale instead
-    of dequantising the gathered values. Shapes as :func:`paged_decode_attention_reference`.
+    Pages are gathered as whole contiguous rows and used in their natural [token, kv head]
+    layout: T = S * K columns, every query head scored against every kv head's keys (one plain
+    batched matmul, no transpose of the gathered K/V), and the other heads' columns masked out
+    of the softmax, so their probabilities are exactly 0 in the value matmul. This costs K times
+    the (small) matmul flops of a per-kv-head contraction and saves the gather-transpose copy;
+    on CPU it is the faster layout for the few kv heads of the models here. int8 pages are
+    multiplied into the logits / probabilities by their per-page scale instead of dequantising
+    the gathered values. Shapes as :func:`paged_decode_attention_reference`.
     """
     g = _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales)
     b, n, h = q.shape
@@ -150,21 +157,27 @@ def paged_decode_attention_xla(
     bt = jnp.take_along_axis(block_tables.astype(jnp.int32), page_slots, axis=1)
     bt = jnp.clip(bt, 0, num_pages - 1)
     compute = q.dtype
-    k = k_pages[bt].astype(compute).reshape(b, n_pages * ps, kh, h)
-    v = v_pages[bt].astype(compute).reshape(b, n_pages * ps, kh, h)
-    qg = q.reshape(b, kh, g, h)
-    logits = jnp.einsum("BKGH,BSKH->BKGS", qg, k, preferred_element_type=jnp.float32)
+    t = n_pages * ps * kh  # T: (page, slot, kv head) flattened, the pool's own order
+
+    def gather(pages: jax.Array) -> jax.Array:  # [B, T, H], one contiguous row per page
+        return jnp.take(pages.reshape(num_pages, -1), bt, axis=0).reshape(b, t, h).astype(compute)
+
+    # [B, K, G, n_pages, ps, J]: query head (K, G) against kv head J's key at token (page, slot)
+    logits = jnp.einsum("BNH,BTH->BNT", q, gather(k_pages), preferred_element_type=jnp.float32)
+    logits = logits.reshape(b, kh, g, n_pages, ps, kh)
     if k_scales is not None:  # one scale per (page, kv head): scale the page's logits
-        ks = k_scales[bt].astype(jnp.float32).transpose(0, 2, 1)[:, :, None, :, None]
-        logits = (logits.reshape(b, kh, g, n_pages, ps) * ks).reshape(logits.shape)
+        logits = logits * k_scales[bt].astype(jnp.float32)[:, None, None, :, None, :]
     logits = logits * default_scale(h, softmax_scale)
     pos = (page_slots[:, :, None] * ps + jnp.arange(ps)).reshape(b, n_pages * ps)
-    p = masked_softmax(logits, _mask(pos, lengths, window)[:, None, None, :])
+    visible = _mask(pos, lengths, window).reshape(b, 1, 1, n_pages, ps, 1)
+    own_head = (jnp.arange(kh)[:, None] == jnp.arange(kh)).reshape(1, kh, 1, 1, 1, kh)
+    mask = (visible & own_head).reshape(b, kh, 1, t)
+    p = masked_softmax(logits.reshape(b, kh, g, t), mask).reshape(logits.shape)
     if v_scales is not None:
-        vs = v_scales[bt].astype(jnp.float32).transpose(0, 2, 1)[:, :, None, :, None]
-        p = (p.reshape(b, kh, g, n_pages, ps) * vs).reshape(p.shape)
-    out = jnp.einsum("BKGS,BSKH->BKGH", p.astype(compute), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, n, h).astype(q.dtype)
+        p = p * v_scales[bt].astype(jnp.float32)[:, None, None, :, None, :]
+    p = p.reshape(b, n, t).astype(compute)
+    out = jnp.einsum("BNT,BTH->BNH", p, gather(v_pages), preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "softmax_scale", "impl", "interpret"))
