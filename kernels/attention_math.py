@@ -93,6 +93,31 @@ def online_softmax_step(
     return m_new, alpha * l_prev + jnp.sum(p, axis=-1), alpha[:, None] * acc + pv
 
 
+def online_softmax_update_cols(
+    m_prev: jax.Array,
+    l_prev: jax.Array,
+    acc: jax.Array,
+    s: jax.Array,
+    v: jax.Array,
+    pv_scale: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``online_softmax_step`` with the statistics as [R, 1] columns (the TPU kernels' layout).
+
+    Args:
+      m_prev, l_prev: running max and normaliser, fp32 [R, 1]; acc: fp32 [R, H].
+      s: [R, C] fp32 logits, -inf where masked; v: [C, H] values.
+      pv_scale: optional [R, 1] factor on this block's ``p @ v`` (int8 value scales).
+    """
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
+    alpha = jnp.exp(m_prev - m_safe)
+    p = jnp.exp(s - m_safe)
+    pv = matmul_f32(p.astype(v.dtype), v, (1, 0))
+    if pv_scale is not None:
+        pv = pv * pv_scale
+    return m_new, alpha * l_prev + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
+
+
 def online_softmax_init(rows: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Initial fp32 (m_i, l_i, acc) for ``rows`` query rows."""
     return (

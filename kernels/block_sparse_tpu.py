@@ -33,7 +33,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from agentrl_jax.kernels.attention_math import default_scale
+from agentrl_jax.kernels.attention_math import (
+    default_scale,
+    online_softmax_update_cols,
+    qk_logits,
+)
 from agentrl_jax.kernels.block_sparse import block_sparse_attention_xla, normalize_block_indices
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -80,21 +84,12 @@ def _kernel(
     def _update():
         blk = blk_ref[row * n_sel + sl]
         q, k, v = q_ref[...], k_ref[...], v_ref[...]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         # Causal inside the block: key blk*bs + c is visible to token i*qb + row_tok[r].
         kpos = blk * bs + jax.lax.broadcasted_iota(jnp.int32, (1, bs), 1)
-        s = jnp.where(kpos <= i * qb + row_tok_ref[...], s * scale, -jnp.inf)
-        m_prev = m_sc[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m_prev - m_safe)
-        p = jnp.exp(s - m_safe)
-        pv = jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        s = jnp.where(kpos <= i * qb + row_tok_ref[...], qk_logits(q, k, scale), -jnp.inf)
+        m_sc[...], l_sc[...], acc_sc[...] = online_softmax_update_cols(
+            m_sc[...], l_sc[...], acc_sc[...], s, v
         )
-        m_sc[...] = m_new
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_sc[...] = alpha * acc_sc[...] + pv
 
     @pl.when(sl == n_sel - 1)
     def _finish():

@@ -36,7 +36,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from agentrl_jax.kernels.attention_math import default_scale
+from agentrl_jax.kernels.attention_math import (
+    default_scale,
+    online_softmax_update_cols,
+    qk_logits,
+)
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -102,28 +106,18 @@ def _kernel(len_ref, bt_ref, *refs, scale, window, ppb, page_size, quantized):
         def _update(j=j, slot=slot):
             k = k_refs[j][...].astype(q.dtype)  # [C, H]
             v = v_refs[j][...].astype(q.dtype)
-            s = jax.lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            )
-            s = s * scale  # [N, C]
+            s = qk_logits(q, k, scale)  # [N, C]
             if quantized:  # per query row: the scale of the row's own kv head
                 s = s * jnp.sum(head_onehot_ref[...] * ks_refs[j][...], axis=1, keepdims=True)
             pos = slot * page_size + col_tok_ref[...]  # [1, C]
             visible = (same_head_ref[...] != 0) & (pos < length) & (pos >= first_tok)
             s = jnp.where(visible, s, -jnp.inf)
-            m_prev = m_sc[...]
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp(m_prev - m_safe)
-            p = jnp.exp(s - m_safe)
-            pv = jax.lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )
+            v_scale = None
             if quantized:
-                pv = pv * jnp.sum(head_onehot_ref[...] * vs_refs[j][...], axis=1, keepdims=True)
-            m_sc[...] = m_new
-            l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-            acc_sc[...] = alpha * acc_sc[...] + pv
+                v_scale = jnp.sum(head_onehot_ref[...] * vs_refs[j][...], axis=1, keepdims=True)
+            m_sc[...], l_sc[...], acc_sc[...] = online_softmax_update_cols(
+                m_sc[...], l_sc[...], acc_sc[...], s, v, v_scale
+            )
 
     @pl.when(step == pl.num_programs(1) - 1)
     def _finish():
