@@ -30,6 +30,7 @@ one dict per model turn with ``episode``, ``turn``, ``tool``, ``args``, ``output
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any
 
@@ -123,6 +124,42 @@ def write_jsonl(traj: Trajectory, path: str, *, append: bool = True) -> int:
         for line in lines:
             f.write(line + "\n")
     return len(lines)
+
+
+def history_state_ids(tokens, action_mask, turn_ids) -> np.ndarray:
+    """Step-level state ids: equal for model turns taken after the same token history.
+
+    The state an action turn k of row b is taken from is the token prefix
+    ``tokens[b, :s]`` before the turn's first action token ``s`` (prompt, earlier actions and
+    observations). Two turns get the same id iff their prefixes are equal, so the rollouts of
+    one task share an id at the first turn, and again after identical actions and observations.
+    Ids are 1, 2, ... in order of first appearance over the batch (row-major), written on the
+    turn's action tokens; 0 elsewhere. For ``CreditInputs.state_ids`` (``gigpo``).
+
+    Args:
+      tokens: int [B, T]; action_mask: bool [B, T]; turn_ids: int [B, T] (as ``Trajectory``).
+
+    Returns:
+      int32 [B, T].
+    """
+    tokens = np.asarray(tokens)
+    action_mask = np.asarray(action_mask, bool)
+    turn_ids = np.asarray(turn_ids)
+    if not tokens.shape == action_mask.shape == turn_ids.shape or tokens.ndim != 2:
+        raise ValueError(
+            f"tokens {tokens.shape}, action_mask {action_mask.shape} and turn_ids "
+            f"{turn_ids.shape} must be equal [B, T] shapes"
+        )
+    out = np.zeros(tokens.shape, np.int32)
+    ids: dict[bytes, int] = {}
+    for b in range(tokens.shape[0]):
+        row = tokens[b].astype(np.int64)
+        for k in np.unique(turn_ids[b][action_mask[b]]):
+            on = action_mask[b] & (turn_ids[b] == k)
+            start = int(np.flatnonzero(on)[0])
+            key = hashlib.blake2b(row[:start].tobytes(), digest_size=16).digest()
+            out[b, on] = ids.setdefault(key, len(ids) + 1)
+    return out
 
 
 @dataclasses.dataclass

@@ -44,6 +44,7 @@ from agentrl_jax.rl.advantages import CreditInputs, get_advantage
 from agentrl_jax.rl.fallback import FallbackController
 from agentrl_jax.rl.state import RLConfig, init_train_state
 from agentrl_jax.rl.update import make_update_fn
+from agentrl_jax.rollout.trajectory import history_state_ids
 from agentrl_jax.train.checkpoint import Checkpointer, stage_dir
 
 log = logging.getLogger(__name__)
@@ -272,6 +273,9 @@ class RLRun:
             outcome_reward=jnp.asarray(batch["outcome_reward"]),
             process_rewards=jnp.asarray(batch["process_rewards"]),
             group_ids=jnp.asarray(batch["group_ids"]),
+            state_ids=jnp.asarray(
+                history_state_ids(batch["tokens"], batch["action_mask"], batch["turn_ids"])
+            ),
         )
         batch["advantages"] = np.asarray(self.advantage_fn(inputs))
         update_batch = {
@@ -377,7 +381,10 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
         from agentrl_jax.train.checkpoint import restore_params
 
         template = init_params(Transformer(model_cfg, policy), jax.random.key(cfg.seed))
-        params, _ = restore_params(loop.init_from, template)
+        source = loop.init_from
+        if os.path.isdir(os.path.join(source, "checkpoints")):  # a run dir: its SFT stage
+            source = stage_dir(source, "sft")
+        params, _ = restore_params(source, template)
     else:
         params = init_params(Transformer(model_cfg, policy), jax.random.key(cfg.seed))
 

@@ -46,6 +46,23 @@ def test_main_job_smoke(tmp_path):
     build_report(run_dir)
     assert any(p.endswith(".png") for p in os.listdir(os.path.join(run_dir, "plots")))
 
+    # RL only, from that run's SFT checkpoint (a run dir as init_from), with step-level groups
+    # (gigpo reads the loop's history state ids).
+    cfg2 = load_config(
+        SMOKE,
+        [
+            f"workdir={tmp_path / 'second'}",
+            "train.sft=False",
+            f"train.init_from={run_dir}",
+            "train.eval_before=False",
+            "train.rl_steps=1",
+            "train.advantage=gigpo",
+        ],
+    )
+    second = run(cfg2, progress=False)
+    assert second["nonfinite_steps"] == 0 and "heldout_success_after_rl" in second
+    assert second["run_dir"] != run_dir
+
 
 def test_resume_is_bitwise(tmp_path):
     cfg = load_config(SMOKE, ["train.sft=False", "train.eval_before=False"])

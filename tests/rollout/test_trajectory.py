@@ -1,0 +1,55 @@
+"""``history_state_ids``: step-level state ids from token histories (hand-built batches)."""
+
+import numpy as np
+import pytest
+
+from agentrl_jax.rollout.trajectory import history_state_ids
+
+
+def _row(segments, length):
+    """Builds (tokens, action_mask, turn_ids) of one row from (tokens, is_action, turn) parts."""
+    tokens, mask, turns = [], [], []
+    for toks, is_action, turn in segments:
+        tokens += toks
+        mask += [is_action] * len(toks)
+        turns += [turn] * len(toks)
+    pad = length - len(tokens)
+    return tokens + [0] * pad, mask + [False] * pad, turns + [-1] * pad
+
+
+def test_history_state_ids_hand_built():
+    prompt = ([7, 8, 9], False, 0)
+    rows = [
+        # a: run, obs X, sub A
+        _row([prompt, ([1, 2], True, 1), ([30, 31], False, 1), ([4, 5], True, 2)], 12),
+        # b: run, obs X, sub B -> its turn 2 shares a's state (same history), turn 3 is new
+        _row(
+            [prompt, ([1, 2], True, 1), ([30, 31], False, 1), ([4, 6], True, 2)]
+            + [([40], False, 2), ([1, 2], True, 3)],
+            12,
+        ),
+        # c: run, obs Y (a different observation) -> turn 2 differs from a's and b's
+        _row([prompt, ([1, 2], True, 1), ([30, 32], False, 1), ([4, 5], True, 2)], 12),
+        # d: a different prompt -> a different first state
+        _row([([7, 8, 8], False, 0), ([1, 2], True, 1)], 12),
+    ]
+    tokens, mask, turns = (np.array([r[i] for r in rows]) for i in range(3))
+    ids = history_state_ids(tokens, mask, turns)
+    assert ids.dtype == np.int32
+    assert (ids[~mask] == 0).all()
+    first = {b: ids[b, mask[b] & (turns[b] == 1)] for b in range(4)}
+    second = {b: ids[b, mask[b] & (turns[b] == 2)] for b in range(3)}
+    for b in range(4):  # constant over each turn's action tokens
+        assert len(set(first[b])) == 1
+    assert first[0][0] == first[1][0] == first[2][0] == 1  # same prompt: shared first state
+    assert first[3][0] not in (1, second[0][0], second[2][0])
+    assert second[0][0] == second[1][0] == 2  # run + the same observation
+    assert second[2][0] == 4  # ids in order of first appearance, row-major
+    third = ids[1, mask[1] & (turns[1] == 3)]
+    assert third[0] == 3
+    assert first[3][0] == 5
+
+
+def test_history_state_ids_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="must be equal"):
+        history_state_ids(np.zeros((2, 4)), np.zeros((2, 3), bool), np.zeros((2, 4)))
