@@ -21,6 +21,7 @@ Presets (``get_policy(name)``):
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -134,20 +135,44 @@ class DTypePolicy:
         if self.fp8_matmul:
             xq, sx = quantize_fp8(x)
             wq, sw = quantize_fp8(w)
-            y = jnp.einsum(
+            y = weight_einsum(
                 subscripts,
                 xq.astype(self.compute),
                 wq.astype(self.compute),
                 preferred_element_type=self.accum,
             )
             return (y * (sx * sw).astype(self.accum)).astype(self.compute)
-        y = jnp.einsum(
+        y = weight_einsum(
             subscripts,
             x.astype(self.compute),
             w.astype(self.compute),
             preferred_element_type=self.accum,
         )
         return y.astype(self.compute)
+
+
+def weight_einsum(subscripts: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
+    """``jnp.einsum`` that runs an activation-times-weight contraction as one 2-D matmul.
+
+    When ``subscripts`` reads ``<batch><contract>,<contract><out>-><batch><out>`` (e.g.
+    ``BTD,DNH->BTNH``, ``BTNH,NHD->BTD``), ``x`` is reshaped to [prod(batch), prod(contract)] and
+    ``w`` to [prod(contract), prod(out)]: the same products and sums, but XLA CPU's gradient of
+    the 3-D form transposes and copies its operands (measured: a SwiGLU FFN's gradient at
+    8 x 192 x 256 -> 768 took 44 ms as 3-D einsums vs 18 ms as 2-D matmuls). Any other form
+    goes to ``jnp.einsum`` unchanged.
+    """
+    ins, out = subscripts.replace(" ", "").split("->")
+    xs, ws = ins.split(",")
+    n_c = max((k for k in range(1, min(len(xs), len(ws)) + 1) if xs[-k:] == ws[:k]), default=0)
+    batch, rest = xs[: len(xs) - n_c], ws[n_c:]
+    letters = xs + rest
+    if n_c == 0 or out != batch + rest or len(set(letters)) != len(letters) or not batch:
+        return jnp.einsum(subscripts, x, w, **kwargs)
+    lead = x.shape[: len(batch)]
+    tail = w.shape[n_c:]
+    m = math.prod(x.shape[len(batch) :])
+    y = jnp.einsum("mk,kn->mn", x.reshape(-1, m), w.reshape(m, -1), **kwargs)
+    return y.reshape(*lead, *tail)
 
 
 def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -71,8 +71,8 @@ def get_config(arg=None):
     # checkpoint at 36.7% greedy / 25.8% sampled): clip_high 0.2 for 90 steps -> 34.4% / 35.2%;
     # advantage "gigpo" (step-level groups) with 16 groups per step, clip_high 0.2, 60 steps ->
     # 37.5% / 36.7% (goal adherence 0.96 -> 0.91, 2x the rollout cost). Greedy stays flat in
-    # every variant: its failures are mostly copy errors (the token after "unexpected", the name after
-    # "did you mean") that the sampled policy's RL gains do not fix.
+    # every variant: its failures are mostly copy errors (the token after "unexpected", the name
+    # after "did you mean") that the sampled policy's RL gains do not fix.
     tr = cfg.train
     tr.rl_steps = 60
     tr.advantage = "grpo"
