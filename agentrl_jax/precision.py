@@ -156,7 +156,8 @@ def weight_einsum(subscripts: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.
 
     When ``subscripts`` reads ``<batch><contract>,<contract><out>-><batch><out>`` (e.g.
     ``BTD,DNH->BTNH``, ``BTNH,NHD->BTD``), ``x`` is reshaped to [prod(batch), prod(contract)] and
-    ``w`` to [prod(contract), prod(out)]: the same products and sums, but XLA CPU's gradient of
+    ``w`` to [prod(contract), prod(out)] (or, for ``<batch><contract>,<out><contract>``, to
+    [prod(out), prod(contract)]): the same products and sums, but XLA CPU's gradient of
     the 3-D form transposes and copies its operands (measured: a SwiGLU FFN's gradient at
     8 x 192 x 256 -> 768 took 44 ms as 3-D einsums vs 18 ms as 2-D matmuls). Any other form
     goes to ``jnp.einsum`` unchanged.
@@ -167,7 +168,15 @@ def weight_einsum(subscripts: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.
     batch, rest = xs[: len(xs) - n_c], ws[n_c:]
     letters = xs + rest
     if n_c == 0 or out != batch + rest or len(set(letters)) != len(letters) or not batch:
-        return jnp.einsum(subscripts, x, w, **kwargs)
+        # <batch><contract>,<out><contract>-><batch><out> (e.g. a tied unembedding BTD,VD->BTV)
+        n_t = max((k for k in range(1, min(len(xs), len(ws))) if xs[-k:] == ws[-k:]), default=0)
+        batch, rest = xs[: len(xs) - n_t], ws[: len(ws) - n_t]
+        letters = xs + rest
+        if n_t == 0 or out != batch + rest or len(set(letters)) != len(letters) or not batch:
+            return jnp.einsum(subscripts, x, w, **kwargs)
+        m = math.prod(x.shape[len(batch) :])
+        y = jnp.einsum("mk,nk->mn", x.reshape(-1, m), w.reshape(-1, m), **kwargs)
+        return y.reshape(*x.shape[: len(batch)], *w.shape[: len(rest)])
     lead = x.shape[: len(batch)]
     tail = w.shape[n_c:]
     m = math.prod(x.shape[len(batch) :])

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from agentrl_jax.model.config import ModelConfig
-from agentrl_jax.precision import DTypePolicy
+from agentrl_jax.precision import DTypePolicy, weight_einsum
 
 
 def param_init(std: float):
@@ -70,14 +70,14 @@ class Embedder(nn.Module):
         if self.cfg.tie_embeddings:
             # Tied table has unit-variance rows; scale keeps initial logits O(1).
             w = self.table * (1.0 / jnp.sqrt(float(self.cfg.d_model)))
-            logits = jnp.einsum(
+            logits = weight_einsum(
                 "BTD,VD->BTV",
                 x.astype(self.policy.compute),
                 w.astype(self.policy.compute),
                 preferred_element_type=jnp.float32,
             )
         else:
-            logits = jnp.einsum(
+            logits = weight_einsum(
                 "BTD,DV->BTV",
                 x.astype(self.policy.compute),
                 self.unembed.astype(self.policy.compute),

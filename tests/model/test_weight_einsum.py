@@ -12,7 +12,8 @@ FORMS = [
     ("BTNH,NHD->BTD", (2, 5, 4, 3), (4, 3, 8)),  # output projection, two contracted axes
     ("BTD,DF->BTF", (3, 7, 8), (8, 6)),
     ("ECD,EDF->ECF", (3, 4, 5), (3, 5, 6)),  # batched per-expert: not a weight form, fallback
-    ("BTD,VD->BTV", (2, 3, 8), (7, 8)),  # transposed weight: fallback
+    ("BTD,VD->BTV", (2, 3, 8), (7, 8)),  # transposed weight (tied unembedding)
+    ("BTD,TD->BT", (2, 3, 8), (3, 8)),  # a shared axis is not a weight form: fallback
 ]
 
 
