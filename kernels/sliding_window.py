@@ -68,13 +68,12 @@ def sliding_window_attention_reference(
 
 
 def _dense_causal_xla(q, k, v, scale, g):
-    b, t, n, h = q.shape
-    qg = q.reshape(b, t, n // g, g, h)
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
-    pos = jnp.arange(t)
-    p = masked_softmax(logits, pos[None, :] <= pos[:, None])
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, n, h).astype(q.dtype)
+    # jax.nn's XLA attention (GQA without repeating K/V; float32 logits and softmax): its
+    # gradient ran ~1.5x faster on CPU than autodiff of our masked-softmax einsums, same outputs.
+    del g
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=True, implementation="xla"
+    ).astype(q.dtype)
 
 
 def _banded_xla(q, k, v, window, scale, g):
