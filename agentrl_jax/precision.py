@@ -151,37 +151,49 @@ class DTypePolicy:
         return y.astype(self.compute)
 
 
+def _matmul_form(xs: str, ws: str, out: str) -> tuple[int, bool] | None:
+    """``(batch axes, w transposed)`` when ``xs,ws->out`` reads ``<batch><c>,<c><out>`` or
+    ``<batch><c>,<out><c>`` -> ``<batch><out>`` with distinct letters; else None."""
+    for n_c in range(1, min(len(xs), len(ws)) + 1):
+        batch, c = xs[:-n_c], xs[-n_c:]
+        for transposed, rest in ((False, ws[n_c:]), (True, ws[:-n_c])):
+            letters = xs + rest
+            if (
+                batch
+                and ws == (rest + c if transposed else c + rest)
+                and out == batch + rest
+                and len(set(letters)) == len(letters)
+            ):
+                return len(batch), transposed
+    return None
+
+
 def weight_einsum(subscripts: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
     """``jnp.einsum`` that runs an activation-times-weight contraction as one 2-D matmul.
 
     When ``subscripts`` reads ``<batch><contract>,<contract><out>-><batch><out>`` (e.g.
-    ``BTD,DNH->BTNH``, ``BTNH,NHD->BTD``), ``x`` is reshaped to [prod(batch), prod(contract)] and
-    ``w`` to [prod(contract), prod(out)] (or, for ``<batch><contract>,<out><contract>``, to
-    [prod(out), prod(contract)]): the same products and sums, but XLA CPU's gradient of
-    the 3-D form transposes and copies its operands (measured: a SwiGLU FFN's gradient at
-    8 x 192 x 256 -> 768 took 44 ms as 3-D einsums vs 18 ms as 2-D matmuls). Any other form
-    goes to ``jnp.einsum`` unchanged.
+    ``BTD,DNH->BTNH``, ``BTNH,NHD->BTD``) or ``<batch><contract>,<out><contract>`` (a tied
+    unembedding ``BTD,VD->BTV``), ``x`` is reshaped to [prod(batch), prod(contract)] and ``w``
+    to [prod(contract), prod(out)] (or its transpose): the same products and sums, but XLA CPU's
+    gradient of the 3-D form transposes and copies its operands (measured: a SwiGLU FFN's
+    gradient at 8 x 192 x 256 -> 768 took 44 ms as 3-D einsums vs 18 ms as 2-D matmuls). Any
+    other form goes to ``jnp.einsum`` unchanged. The parsing runs at trace time only.
     """
     ins, out = subscripts.replace(" ", "").split("->")
     xs, ws = ins.split(",")
-    n_c = max((k for k in range(1, min(len(xs), len(ws)) + 1) if xs[-k:] == ws[:k]), default=0)
-    batch, rest = xs[: len(xs) - n_c], ws[n_c:]
-    letters = xs + rest
-    if n_c == 0 or out != batch + rest or len(set(letters)) != len(letters) or not batch:
-        # <batch><contract>,<out><contract>-><batch><out> (e.g. a tied unembedding BTD,VD->BTV)
-        n_t = max((k for k in range(1, min(len(xs), len(ws))) if xs[-k:] == ws[-k:]), default=0)
-        batch, rest = xs[: len(xs) - n_t], ws[: len(ws) - n_t]
-        letters = xs + rest
-        if n_t == 0 or out != batch + rest or len(set(letters)) != len(letters) or not batch:
-            return jnp.einsum(subscripts, x, w, **kwargs)
-        m = math.prod(x.shape[len(batch) :])
-        y = jnp.einsum("mk,nk->mn", x.reshape(-1, m), w.reshape(-1, m), **kwargs)
-        return y.reshape(*x.shape[: len(batch)], *w.shape[: len(rest)])
-    lead = x.shape[: len(batch)]
-    tail = w.shape[n_c:]
-    m = math.prod(x.shape[len(batch) :])
-    y = jnp.einsum("mk,kn->mn", x.reshape(-1, m), w.reshape(m, -1), **kwargs)
-    return y.reshape(*lead, *tail)
+    form = _matmul_form(xs, ws, out)
+    if form is None:
+        return jnp.einsum(subscripts, x, w, **kwargs)
+    n_b, transposed = form
+    n_c = x.ndim - n_b
+    x2 = x.reshape(-1, math.prod(x.shape[n_b:]))
+    if transposed:
+        y = jnp.einsum("mk,nk->mn", x2, w.reshape(-1, x2.shape[1]), **kwargs)
+        tail = w.shape[: w.ndim - n_c]
+    else:
+        y = jnp.einsum("mk,kn->mn", x2, w.reshape(x2.shape[1], -1), **kwargs)
+        tail = w.shape[n_c:]
+    return y.reshape(*x.shape[:n_b], *tail)
 
 
 def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
