@@ -15,8 +15,12 @@ Per line:
                                      assembly + update_fn (which recomputes the logprobs);
                                      median of ``--iter-reps``; also rollout_ms and
                                      rollout_compile_s
+``--policy bf16`` runs the step under the bf16 mixed-precision policy (fp32 master params and
+AdamW, bf16 matmul inputs with fp32 accumulation; the default experiment's policy) instead of
+fp32; ``update_baseline.py --dtype bf16`` is its PyTorch counterpart (CPU autocast).
+
 Usage: python benchmarks/update.py [--reps 5] [--iter-reps 3] [--only dense-DDDD,moe-SSSF]
-       [--iteration moe-SSSF | all | none]
+       [--iteration moe-SSSF | all | none] [--policy fp32 | bf16]
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ def rollout(sampler, params, prompts, rng_key):
 
 def measure(kind: str, pattern: str, args) -> dict:
     cfg = model_config(kind, pattern)
-    policy = get_policy("fp32")
+    policy = get_policy(args.policy)
     model = Transformer(cfg, policy)
     params = init_params(model, jax.random.key(0))
     rl_cfg = RLConfig(lr=1e-5)
@@ -184,6 +188,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--iter-reps", type=int, default=3)
+    parser.add_argument("--policy", default="fp32", help="precision policy (fp32, bf16, ...)")
     parser.add_argument("--only", default="", help="comma list of kind-pattern, e.g. moe-SSSF")
     parser.add_argument(
         "--iteration",
@@ -192,6 +197,7 @@ def main(argv=None) -> None:
         "(each costs a sampler compile; the default keeps the run near 5 CPU minutes)",
     )
     args = parser.parse_args(argv)
+    get_policy(args.policy)  # ValueError names the registered policies
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     variants = [(k, p) for k in ("dense", "moe") for p in ("DDDD", "SSSF")]
     if args.only:

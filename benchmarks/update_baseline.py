@@ -73,7 +73,10 @@ Without them (e.g. under the project's venv, as ``make bench`` runs it) it print
 
 Usage: python benchmarks/update_baseline.py [--models dense,moe] [--reps 5] [--threads 1,2]
        [--recompute fused,separate] [--experts grouped_mm,eager,batched_mm] [--attn sdpa|eager]
-       [--compile]
+       [--compile] [--dtype fp32|bf16]
+
+``--dtype bf16`` runs the forward under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (fp32
+parameters, gradients and AdamW), the mixed precision ``update.py --policy bf16`` uses.
 """
 
 from __future__ import annotations
@@ -195,10 +198,21 @@ def ppo_loss(logp, anchor, adv, mask):
     return loss, ratio, l1, l2
 
 
-def make_loss_fn(model, recompute: str):
-    """loss_fn(batch) -> (loss, no-grad tensors for metrics): the step's differentiated part."""
+def make_loss_fn(model, recompute: str, dtype: str = "fp32"):
+    """loss_fn(batch) -> (loss, no-grad tensors for metrics): the step's differentiated part.
+
+    ``dtype="bf16"``: the forward runs under ``torch.autocast("cpu", torch.bfloat16)`` (fp32
+    parameters and optimiser; linear layers / matmuls take bf16 inputs), PyTorch's counterpart
+    of ``update.py --policy bf16``; logits are upcast to fp32 before the log-softmax either way.
+    """
 
     def loss_fn(tokens, targets, adv, mask):
+        if dtype == "bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return _loss(tokens, targets, adv, mask)
+        return _loss(tokens, targets, adv, mask)
+
+    def _loss(tokens, targets, adv, mask):
         if recompute == "separate":
             with torch.no_grad():
                 anchor, _ = token_logprobs(model, tokens, targets)
@@ -263,7 +277,7 @@ def measure(kind, experts, recompute, threads, compiled, args) -> dict:
     opt = make_optimizer(model)
     params = [p for p in model.parameters() if p.requires_grad]
     batch = make_batch()
-    loss_fn = make_loss_fn(model, recompute)
+    loss_fn = make_loss_fn(model, recompute, args.dtype)
     if compiled:
         loss_fn = torch.compile(loss_fn)
     holder = {}
@@ -290,12 +304,13 @@ def measure(kind, experts, recompute, threads, compiled, args) -> dict:
         "variant": f"hf-{'llama' if kind == 'dense' else 'mixtral'}-DDDD"
         + (f"/{experts}" if kind == "moe" else "")
         + ("/recompute" if recompute == "separate" else "")
+        + ("/bf16" if args.dtype == "bf16" else "")
         + f"/t{threads}"
         + ("/compiled" if compiled else ""),
         "impl": f"transformers.{type(model).__name__} + torch.optim.AdamW",
         "model": kind,
         "pattern": "DDDD",
-        "policy": "fp32",
+        "policy": args.dtype,
         "batch": BATCH,
         "seq_len": T,
         "step_ms": round(step_ms, 2),
@@ -327,6 +342,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="dense,moe")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="bf16: forward under CPU autocast (update.py --policy bf16's counterpart)",
+    )
     ap.add_argument("--threads", default="1,2", help="comma list for torch.set_num_threads")
     ap.add_argument("--recompute", default="fused", help="comma list of fused, separate")
     ap.add_argument(

@@ -224,7 +224,9 @@ class RLRun:
             self.tokenizer,
             self.sampling,
             key,
-            n_slots=min(len(tasks), self.batch_size),
+            # One slot count for every round: a refill round's fewer tasks leave slots idle
+            # instead of compiling the sampler for another batch shape.
+            n_slots=self.batch_size,
             max_turns=self.loop.max_turns,
             group_ids=[i for i in range(len(items)) for _ in range(g)],
             log_path=log_path,
