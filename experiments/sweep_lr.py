@@ -5,7 +5,8 @@
     agentrl sweep experiments/sweep_lr.py:smoke=True,vmap=True  seconds-sized check
 
 Variants: ``smoke`` (the default experiment's smoke model and loop, no SFT), ``vmap`` (sets
-``sweep_vectorized``: the swept values become traced inputs of one jitted, vmapped update; see
+``sweep_vectorized``: the swept values become traced inputs of one jitted, vmapped update, which
+runs 1 PPO epoch x 1 minibatch per step instead of the default's 4 x 2; see
 ``agentrl_jax.train.sweep``).
 """
 
@@ -22,6 +23,9 @@ def get_config(arg=None):
     cfg = default.get_config(f"smoke={arg.smoke}")
     cfg.name = "sweep_lr"
     cfg.sweep_vectorized = arg.vmap  # top-level key read by agentrl_jax.train.sweep
+    if arg.vmap:  # the vmapped learner runs one update per step (1 PPO epoch x 1 minibatch)
+        cfg.rl.ppo_epochs = 1
+        cfg.rl.n_minibatches = 1
     if arg.smoke:
         cfg.train.sft = False
         cfg.train.eval_before = False
