@@ -38,7 +38,7 @@ import numpy as np
 
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
-from agentrl_jax.precision import get_policy
+from agentrl_jax.precision import get_policy, policy_names
 from agentrl_jax.rl.state import RLConfig, init_train_state
 from agentrl_jax.rl.update import make_update_fn
 from agentrl_jax.rollout.sampler import SamplingConfig, get_sampler
@@ -188,7 +188,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--iter-reps", type=int, default=3)
-    parser.add_argument("--policy", default="fp32", help="precision policy (fp32, bf16, ...)")
+    parser.add_argument("--policy", default="fp32", choices=policy_names())
     parser.add_argument("--only", default="", help="comma list of kind-pattern, e.g. moe-SSSF")
     parser.add_argument(
         "--iteration",
@@ -197,7 +197,6 @@ def main(argv=None) -> None:
         "(each costs a sampler compile; the default keeps the run near 5 CPU minutes)",
     )
     args = parser.parse_args(argv)
-    get_policy(args.policy)  # ValueError names the registered policies
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     variants = [(k, p) for k in ("dense", "moe") for p in ("DDDD", "SSSF")]
     if args.only:

@@ -133,8 +133,8 @@ def get_config(arg=None):
         ro.max_new_tokens = 16
         ro.max_len = 384
         rl.micro_batch = 2
-        # One update per step: 4 sequences do not split into 2 minibatches of micro_batch 2,
-        # and the vectorised sweep (tests, sweep_lr) runs 1 epoch x 1 minibatch only.
+        # One update per step: smoke batches (2 groups of 2, or fewer) are too small for 2
+        # minibatches of micro_batch 2.
         rl.ppo_epochs = 1
         rl.n_minibatches = 1
     return cfg
