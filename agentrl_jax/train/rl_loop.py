@@ -17,6 +17,7 @@ Every RL step ``s`` is a pure function of the checkpointed state: rollout keys a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -164,6 +165,12 @@ class RLRun:
         self.state = init_train_state(
             jax.tree.map(jnp.copy, params), self.rl_cfg, jax.random.fold_in(key, 2)
         )
+        # KL to the reference policy (loss.kl_coef > 0): the parameters RL started from (the SFT
+        # checkpoint), frozen; their teacher-forced logprobs of each batch go in as ref_logprobs.
+        self.ref_params = params if self.rl_cfg.loss.kl_coef > 0 else None
+        self._ref_logprobs = jax.jit(
+            functools.partial(_ref_logprobs, self.model_cfg, self.sampling), static_argnums=0
+        )
         self.start_step = 0
         if resume and self.ckpt.latest_step() is not None:
             self._restore()
@@ -294,6 +301,13 @@ class RLRun:
             )
             if k in batch
         }
+        if self.ref_params is not None:
+            update_batch["ref_logprobs"] = self._ref_logprobs(
+                self.controller.active,
+                self.ref_params,
+                jnp.asarray(batch["tokens"]),
+                jnp.asarray(batch["valid"]),
+            )
         t1 = time.perf_counter()
         self.state, metrics = self.controller(self.state, update_batch, None)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -321,6 +335,21 @@ class RLRun:
         )
         metrics.update({k: float(v) for k, v in memory_metrics().items() if v is not None})
         return metrics
+
+
+def _ref_logprobs(model_cfg: ModelConfig, sampling, policy, params, tokens, valid) -> jax.Array:
+    """Reference-policy logprobs f32 [B, T] of ``tokens`` under ``policy`` (column 0 is 0)."""
+    from agentrl_jax.rl.logprobs import as_chunk_spec, sequence_logprobs
+
+    logp, _, _ = sequence_logprobs(
+        Transformer(model_cfg, policy),
+        params,
+        tokens,
+        valid=valid,
+        chunk_spec=as_chunk_spec(sampling),
+        with_entropy=False,
+    )
+    return jnp.pad(logp, ((0, 0), (1, 0)))
 
 
 def _kv_bytes(model_cfg: ModelConfig, policy, rows, page_size: int) -> int:

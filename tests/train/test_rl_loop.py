@@ -98,3 +98,26 @@ def test_loop_config_validation():
         LoopConfig(advantage="nope")
     with pytest.raises(ValueError, match="max_turns"):
         LoopConfig(max_turns=0)
+
+
+def test_kl_to_reference_uses_the_start_params(tmp_path):
+    """loss.kl_coef > 0: the loop feeds the frozen start params' logprobs as the KL reference."""
+    cfg = load_config(
+        SMOKE, ["train.sft=False", "train.eval_before=False", "rl.loss.kl_coef=0.1", "rl.lr=0.05"]
+    )
+    model_cfg = ModelConfig(**cfg.model.to_dict())
+    params = init_params(Transformer(model_cfg, get_policy(cfg.policy)), jax.random.key(0))
+    start = jax.tree.map(np.array, params)
+    run_ = RLRun(cfg, str(tmp_path), params, resume=False)
+    first = run_.step(0)
+    # before any update the policy is the reference: KL ~ 0 (float rounding of another shape)
+    assert 0.0 <= first["kl_ref"] < 1e-5
+    # force the policy away from the reference (a plain perturbation), then the KL must show it
+    run_.state = run_.state._replace(
+        params=jax.tree.map(lambda p: p + 0.05 * jax.numpy.sign(p), run_.state.params)
+    )
+    second = run_.step(1)
+    assert second["kl_ref"] > 1e-3
+    # the reference is the start params, untouched by the (donating) updates
+    for x, y in zip(jax.tree.leaves(start), jax.tree.leaves(run_.ref_params)):
+        np.testing.assert_array_equal(x, np.asarray(y))
