@@ -47,6 +47,9 @@ class LossConfig:
         (w = 0); None disables.
       geo_band: (low, high) with 0 <= low < 1 < high; sequences whose geometric-mean rho
         exp(mean_t log rho) is outside are dropped; None disables.
+      negative_adv_weight: multiplies negative advantages (>= 0): A <- w * A where A < 0.
+        1 is the plain objective; < 1 weighs reinforcing successes above suppressing failures
+        (suppression spreads probability mass and raises entropy; 0 keeps successes only).
     """
 
     clip_low: float = 0.2
@@ -62,6 +65,7 @@ class LossConfig:
     tis_cap: float | None = None
     icepop_band: tuple[float, float] | None = None
     geo_band: tuple[float, float] | None = None
+    negative_adv_weight: float = 1.0
 
     def __post_init__(self):
         if not 0.0 < self.clip_low < 1.0:
@@ -76,7 +80,13 @@ class LossConfig:
             raise ValueError(f"norm_constant={self.norm_constant} must be > 0 or None")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator={self.kl_estimator!r} must be one of {KL_ESTIMATORS}")
-        for field in ("kl_coef", "entropy_coef", "moe_lb_coef", "moe_z_coef"):
+        for field in (
+            "kl_coef",
+            "entropy_coef",
+            "moe_lb_coef",
+            "moe_z_coef",
+            "negative_adv_weight",
+        ):
             if not getattr(self, field) >= 0.0:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 0")
         if self.tis_cap is not None and not self.tis_cap >= 1.0:
@@ -240,7 +250,8 @@ def policy_loss(
       loss = agg(w * l_ppo) + kl_coef * agg(k(logp_new, logp_ref)) - entropy_coef * agg(H)
              + moe_lb_coef * lb + moe_z_coef * z
 
-    with ``agg`` the configured aggregation over ``mask``, l_ppo from ``ppo_surrogate`` and w from
+    with ``agg`` the configured aggregation over ``mask``, l_ppo from ``ppo_surrogate`` (on
+    advantages whose negative values are scaled by ``negative_adv_weight``) and w from
     ``correction_weights``. Gradients flow through logp_new (and entropy / MoE losses if they
     depend on the parameters); logp_old, logp_rollout, logp_ref and advantages are constants.
 
@@ -282,6 +293,8 @@ def policy_loss(
     logp_new = logp_new.astype(jnp.float32)
     logp_old = jax.lax.stop_gradient(logp_old.astype(jnp.float32))
     advantages = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+    if cfg.negative_adv_weight != 1.0:
+        advantages = jnp.where(advantages < 0, cfg.negative_adv_weight * advantages, advantages)
     log_ratio = jnp.clip(logp_new - logp_old, -_LOG_RATIO_CAP, _LOG_RATIO_CAP)
     ratio = jnp.exp(log_ratio)
     pg_tok, flags = ppo_surrogate(ratio, advantages, cfg)

@@ -124,6 +124,26 @@ def test_policy_loss_hand_computed_total():
     np.testing.assert_allclose(float(m["approx_kl"]), expected_kl, rtol=1e-5)
 
 
+def test_negative_adv_weight_hand_computed():
+    # ratios (1.1, 0.9, 1.5), advantages (2, -1, -2), clip 0.2, token-mean; weight 0.25 scales
+    # the negative advantages to (-0.25, -0.5): per-token losses -2.2, 0.25 * 0.9 = 0.225,
+    # max(0.5 * 1.5, 0.5 * 1.2) = 0.75; mean = (-2.2 + 0.225 + 0.75) / 3
+    logp_old = jnp.array([[-1.0, -2.0, -0.5]])
+    logp_new = logp_old + jnp.log(jnp.array([[1.1, 0.9, 1.5]]))
+    adv = jnp.array([[2.0, -1.0, -2.0]])
+    mask = jnp.ones((1, 3), bool)
+    for weight, expected in ((1.0, (-2.2 + 0.9 + 3.0) / 3), (0.25, (-2.2 + 0.225 + 0.75) / 3)):
+        cfg = LossConfig(clip_low=0.2, clip_high=0.2, negative_adv_weight=weight)
+        loss, _ = losses.policy_loss(logp_new, logp_old, None, adv, mask, cfg)
+        np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+    # weight 0: failures give no gradient, successes the same as with weight 1
+    cfg0 = LossConfig(negative_adv_weight=0.0)
+    grad = jax.grad(lambda lp: losses.policy_loss(lp, logp_old, None, adv, mask, cfg0)[0])
+    g = np.asarray(grad(logp_new))[0]
+    np.testing.assert_allclose(g[1:], 0.0)
+    np.testing.assert_allclose(g[0], -2.0 * 1.1 / 3, rtol=1e-5)
+
+
 def test_policy_loss_gradient_hand_computed():
     # token-mean over 4 tokens: clipped tokens have zero gradient, others -A r w / n.
     ratio = jnp.array([[1.5, 0.5, 0.5, 1.1]])
@@ -278,6 +298,7 @@ def test_gradients_finite_under_extreme_ratios():
         ({"tis_cap": 0.5}, "tis_cap"),
         ({"icepop_band": (1.2, 2.0)}, "icepop_band"),
         ({"geo_band": (0.5,)}, "geo_band"),
+        ({"negative_adv_weight": -0.5}, "negative_adv_weight"),
     ],
 )
 def test_loss_config_validation(kwargs, match):
