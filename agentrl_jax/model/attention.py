@@ -393,6 +393,9 @@ class Attention(nn.Module):
         v = pol.einsum("BTD,DKH->BTKH", x, wv)
 
         if cache is None:
+            if self.is_mutable_collection("intermediates") and not self.is_initializing():
+                # read by rl.attention_credit (apply with mutable=["intermediates"]); else no-op
+                self.sow("intermediates", "qk", (q, k))
             out = self._teacher(q, k, v, positions)
             new_cache = None
         else:

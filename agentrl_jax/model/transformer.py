@@ -170,7 +170,7 @@ class Transformer(nn.Module):
             group = nn.remat(Group, policy=_REMAT[cfg.remat](), prevent_cse=False)
         scanned = nn.scan(
             group,
-            variable_axes={"params": 0},
+            variable_axes={"params": 0, "intermediates": 0},
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.n_groups,

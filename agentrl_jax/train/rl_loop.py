@@ -171,6 +171,7 @@ class RLRun:
         self._ref_logprobs = jax.jit(
             functools.partial(_ref_logprobs, self.model_cfg, self.sampling), static_argnums=0
         )
+        self._attn_mass = jax.jit(functools.partial(_attn_mass, self.model_cfg), static_argnums=0)
         self.start_step = 0
         if resume and self.ckpt.latest_step() is not None:
             self._restore()
@@ -276,6 +277,13 @@ class RLRun:
             p["group_ids"] = np.full_like(p["group_ids"], j)
         t_roll = time.perf_counter() - t0
         batch = _concat(parts, self.sampling.max_len)
+        attn_credit = None
+        if self.loop.advantage == "attn_credit":  # attention mass of the current policy
+            attn_credit = self._attn_mass(
+                self.controller.active,
+                self.state.params,
+                *(jnp.asarray(batch[k]) for k in ("tokens", "valid", "action_mask", "turn_ids")),
+            )
         inputs = CreditInputs(
             action_mask=jnp.asarray(batch["action_mask"]),
             turn_ids=jnp.asarray(batch["turn_ids"]),
@@ -285,6 +293,7 @@ class RLRun:
             state_ids=jnp.asarray(
                 history_state_ids(batch["tokens"], batch["action_mask"], batch["turn_ids"])
             ),
+            attn_credit=attn_credit,
         )
         batch["advantages"] = np.asarray(self.advantage_fn(inputs))
         update_batch = {
@@ -350,6 +359,14 @@ def _ref_logprobs(model_cfg: ModelConfig, sampling, policy, params, tokens, vali
         with_entropy=False,
     )
     return jnp.pad(logp, ((0, 0), (1, 0)))
+
+
+def _attn_mass(model_cfg: ModelConfig, policy, params, tokens, valid, action_mask, turn_ids):
+    """Attention mass [B, T] of the final turn's action tokens (``rl.attention_credit``)."""
+    from agentrl_jax.rl.attention_credit import attention_credit_mass
+
+    model = Transformer(model_cfg, policy)
+    return attention_credit_mass(model, params, tokens, valid, action_mask, turn_ids)
 
 
 def _kv_bytes(model_cfg: ModelConfig, policy, rows, page_size: int) -> int:
