@@ -74,6 +74,11 @@ def get_config(arg=None):
     #   4 epochs x 2 minibatches, lr 2e-4, 2 refill rounds, token-mean: 32.8% / 32.0%
     #     (entropy 0.40 -> 0.68);
     #   the same with seq-mean-token-mean (this config): 37.5% / 39.8%.
+    # Session 5 (2026-12-03): a bf16 rounding change gave a different SFT checkpoint (greedy /
+    # sampled 38.3% / 27.3%); from it, RL with this config ended at 31.3% / 34.4%;
+    # loss.negative_adv_weight=0.5: 35.9% / 35.9%; data.band_low=0.05: 34.4% / 33.6%;
+    # loss.kl_coef=0.05: 33.6% / 32.0%. negative_adv_weight=0.5 from the session-4 checkpoint
+    # (30.5% / 24.2%): 35.2% / 37.5%, vs 37.5% / 39.8% for this config (README).
     # Earlier checkpoints (2026-12-02): lr 1e-3 raised entropy and lowered train success;
     # clip_high 0.2 or step-level groups ("gigpo", 16 groups per step) left greedy flat.
     tr = cfg.train
