@@ -27,9 +27,14 @@ from flax import traverse_util
 from agentrl_jax.model.transformer import Transformer
 
 
+def _last_turn(action_mask: jax.Array, turn_ids: jax.Array) -> jax.Array:
+    """int [B, 1]: each episode's last turn with action tokens (-1 if none)."""
+    return jnp.max(jnp.where(action_mask, turn_ids, -1), axis=1, keepdims=True)
+
+
 def final_turn_queries(action_mask: jax.Array, turn_ids: jax.Array) -> jax.Array:
     """bool [B, T]: action tokens of each episode's last turn that has action tokens."""
-    last = jnp.max(jnp.where(action_mask, turn_ids, -1), axis=1, keepdims=True)
+    last = _last_turn(action_mask, turn_ids)
     return action_mask & (turn_ids == last) & (last >= 0)
 
 
@@ -77,11 +82,12 @@ def attention_credit_mass(
     _, state = model.apply(params, tokens, valid=valid, mutable=["intermediates"])
     flat = traverse_util.flatten_dict(state["intermediates"])
     total = jnp.zeros(tokens.shape, jnp.float32)
-    for i, kind in enumerate(cfg.layer_pattern):
+    for i, kind in enumerate(cfg.layer_pattern):  # pattern positions; depth is mapped below
         ((q_all, k_all),) = flat[("groups", f"layer_{i}", "attn", "qk")]  # [G, B, T, ., H]
         window = cfg.window if kind == "S" else None
-        for g in range(cfg.n_groups):
-            total = total + layer_mass(q_all[g], k_all[g], queries, valid, window)
-    last = jnp.max(jnp.where(action_mask, turn_ids, -1), axis=1, keepdims=True)
-    mass = total / cfg.n_layers
-    return jnp.where((turn_ids == last) & (last >= 0), 0.0, mass)
+        per_group = jax.lax.map(  # one layer's [B, N, T, T] probabilities live at a time
+            lambda qk, w=window: layer_mass(qk[0], qk[1], queries, valid, w), (q_all, k_all)
+        )
+        total = total + per_group.sum(axis=0)
+    last = _last_turn(action_mask, turn_ids)
+    return jnp.where((turn_ids == last) & (last >= 0), 0.0, total / cfg.n_layers)

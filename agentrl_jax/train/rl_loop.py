@@ -277,16 +277,20 @@ class RLRun:
             p["group_ids"] = np.full_like(p["group_ids"], j)
         t_roll = time.perf_counter() - t0
         batch = _concat(parts, self.sampling.max_len)
+        dev = {k: jnp.asarray(batch[k]) for k in ("tokens", "valid", "action_mask", "turn_ids")}
         attn_credit = None
         if self.loop.advantage == "attn_credit":  # attention mass of the current policy
             attn_credit = self._attn_mass(
                 self.controller.active,
                 self.state.params,
-                *(jnp.asarray(batch[k]) for k in ("tokens", "valid", "action_mask", "turn_ids")),
+                dev["tokens"],
+                dev["valid"],
+                dev["action_mask"],
+                dev["turn_ids"],
             )
         inputs = CreditInputs(
-            action_mask=jnp.asarray(batch["action_mask"]),
-            turn_ids=jnp.asarray(batch["turn_ids"]),
+            action_mask=dev["action_mask"],
+            turn_ids=dev["turn_ids"],
             outcome_reward=jnp.asarray(batch["outcome_reward"]),
             process_rewards=jnp.asarray(batch["process_rewards"]),
             group_ids=jnp.asarray(batch["group_ids"]),
@@ -312,10 +316,7 @@ class RLRun:
         }
         if self.ref_params is not None:
             update_batch["ref_logprobs"] = self._ref_logprobs(
-                self.controller.active,
-                self.ref_params,
-                jnp.asarray(batch["tokens"]),
-                jnp.asarray(batch["valid"]),
+                self.controller.active, self.ref_params, dev["tokens"], dev["valid"]
             )
         t1 = time.perf_counter()
         self.state, metrics = self.controller(self.state, update_batch, None)

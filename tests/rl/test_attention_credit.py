@@ -72,11 +72,11 @@ def test_final_turn_queries_hand_computed():
 
 
 def test_model_mass_from_the_training_pass():
-    """Mass of a 2-layer hybrid model (S then D) from the sown q / k: the logits are those of a
-    plain pass, the final turn's tokens get 0, the rest sums to what the final turn does not
-    take, and a hand-rebuilt reference from the sown q / k agrees."""
+    """Mass of a 4-layer hybrid model (S then D, twice) from the sown q / k: the logits are
+    those of a plain pass, the final turn's tokens get 0, the rest sums to what the final turn
+    does not take, and a hand-rebuilt reference from the sown q / k agrees."""
     cfg = ModelConfig(
-        vocab_size=64, d_model=32, n_layers=2, layer_pattern="SD", n_heads=4, n_kv_heads=2,
+        vocab_size=64, d_model=32, n_layers=4, layer_pattern="SD", n_heads=4, n_kv_heads=2,
         head_dim=8, d_ff=64, window=4,
     )  # fmt: skip
     model = Transformer(cfg, get_policy("fp32"))
@@ -99,10 +99,11 @@ def test_model_mass_from_the_training_pass():
     want = np.zeros((2, 10))
     for i, window in ((0, 4), (1, None)):
         ((q, k),) = attn[f"layer_{i}"]["attn"]["qk"]
-        want += _reference_layer_mass(
-            np.asarray(q[0], np.float64), np.asarray(k[0], np.float64), queries, valid, window
-        )
-    want = np.where(np.asarray(turns) == 1, 0.0, want / 2)
+        for g in range(2):  # 4 layers = 2 repetitions of the pattern
+            want += _reference_layer_mass(
+                np.asarray(q[g], np.float64), np.asarray(k[g], np.float64), queries, valid, window
+            )
+    want = np.where(np.asarray(turns) == 1, 0.0, want / 4)
     np.testing.assert_allclose(mass, want, rtol=1e-4, atol=1e-6)
 
 
