@@ -48,7 +48,11 @@ class Embedder(nn.Module):
     def setup(self):
         self.table = self.param(
             "table",
-            nn.with_logical_partitioning(param_init(1.0), ("vocab", "embed")),
+            # std 1/sqrt(D): encode's sqrt(D) scale gives unit-rms rows, the scale of the layers'
+            # outputs once trained. A unit-std table (rows of rms sqrt(D) in the residual
+            # stream) drowned the layers: the default model could not learn to copy a token
+            # from its context (the code-repair fix "sub TYPO NAME" stayed at chance).
+            nn.with_logical_partitioning(param_init(self.cfg.d_model**-0.5), ("vocab", "embed")),
             (self.cfg.vocab_size, self.cfg.d_model),
             self.policy.param,
         )
@@ -61,14 +65,14 @@ class Embedder(nn.Module):
             )
 
     def encode(self, tokens: jax.Array) -> jax.Array:
-        """tokens int32 [B, T] -> [B, T, D] (compute dtype), scaled by sqrt(D)."""
+        """tokens int32 [B, T] -> [B, T, D] (compute dtype), times sqrt(D) (unit rms at init)."""
         x = jnp.take(self.table, tokens, axis=0)
         return (x * jnp.sqrt(float(self.cfg.d_model)).astype(x.dtype)).astype(self.policy.compute)
 
     def decode(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> logits float32 [B, T, V]."""
         if self.cfg.tie_embeddings:
-            # Tied table has unit-variance rows; scale keeps initial logits O(1).
+            # 1/sqrt(D): initial logits have std 1/sqrt(D) (rows of norm 1 at init, unit-rms x).
             w = self.table * (1.0 / jnp.sqrt(float(self.cfg.d_model)))
             logits = weight_einsum(
                 "BTD,VD->BTV",
