@@ -41,6 +41,9 @@ def get_config(arg=None):
     m.sparse_block_size = 16
     m.sparse_topk_tokens = 256
     m.d_ff = 384
+    # A separate output projection: SFT from the same recipe reached held-out greedy / sampled
+    # 69.5% / 67.2% untied vs 55.5% / 50.8% tied (2026-12-03, after the unit-rms embedding init).
+    m.tie_embeddings = False
 
     from agentrl_jax.train.evaluate import EvalConfig
     from agentrl_jax.train.sft import SFTConfig
