@@ -5,21 +5,24 @@ With the embedding table initialised at unit std (residual rows of rms sqrt(D)),
 still at chance on the task below after 550 steps; with unit-rms rows it is solved in ~100.
 """
 
+import dataclasses
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+from agentrl_jax.config import load_config, to_dataclass
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 
-# experiments/default.py's model
-DEFAULT = dict(
-    vocab_size=512, d_model=128, n_layers=2, layer_pattern="DD", n_heads=4, n_kv_heads=2,
-    head_dim=32, window=256, d_ff=384,
-)  # fmt: skip
+DEFAULT_EXPERIMENT = os.path.join(
+    os.path.dirname(__file__), "..", "..", "experiments", "default.py"
+)
+DEFAULT = to_dataclass(load_config(DEFAULT_EXPERIMENT).model, ModelConfig)
 T = 48
 MARKED = (300, 324)  # the token to copy is one of these 24 ids (like the 24 typos)
 QUERY = 7
@@ -37,7 +40,7 @@ def copy_batch(rng: np.random.Generator, n: int) -> jax.Array:
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_default_model_learns_to_copy(tie):
-    model = Transformer(ModelConfig(**DEFAULT, tie_embeddings=tie), get_policy("fp32"))
+    model = Transformer(dataclasses.replace(DEFAULT, tie_embeddings=tie), get_policy("fp32"))
     params = init_params(model, jax.random.key(0))
     opt = optax.adam(3e-3)
 
@@ -61,9 +64,9 @@ def test_default_model_learns_to_copy(tie):
 
 
 def test_embedding_rows_have_unit_rms_at_init():
-    model = Transformer(ModelConfig(**DEFAULT), get_policy("fp32"))
+    model = Transformer(DEFAULT, get_policy("fp32"))
     params = init_params(model, jax.random.key(1))
     table = np.asarray(params["params"]["embed"]["table"])
     # encode scales rows by sqrt(D): unit rms per row, not rms sqrt(D)
-    rms = np.sqrt(np.mean(np.square(table * np.sqrt(128.0)), axis=-1))
+    rms = np.sqrt(np.mean(np.square(table * np.sqrt(DEFAULT.d_model)), axis=-1))
     np.testing.assert_allclose(rms, 1.0, atol=0.25)
