@@ -61,8 +61,7 @@ def _success_curve(sign: float, steps: int) -> list[float]:
     state = init_train_state(init_params(model, jax.random.key(0)), rl_cfg, jax.random.key(1))
     update = make_update_fn(model, rl_cfg)
     advantage = jax.jit(get_advantage("grpo"))
-    tasks = [t for t in range(TASKS) for _ in range(GROUP)]
-    groups = [t for t in range(TASKS) for _ in range(GROUP)]
+    tasks = [t for t in range(TASKS) for _ in range(GROUP)]  # a task's id is its group id
     curve = []
     for step in range(steps):
         traj = run_episodes(
@@ -74,7 +73,7 @@ def _success_curve(sign: float, steps: int) -> list[float]:
             SAMPLING,
             jax.random.key(100 + step),
             max_turns=1,
-            group_ids=groups,
+            group_ids=tasks,
         )
         curve.append(float(np.mean(traj.success)))
         inputs = CreditInputs(
