@@ -109,3 +109,36 @@ def attn_credit(
     w = (1.0 - uniform_mix) * share + uniform_mix / jnp.maximum(n, 1.0)
     per_turn = jnp.where(has_action, a_ep[:, None] * n * w, 0.0)
     return segments.turn_to_tokens(per_turn, turn_ids, mask)
+
+
+@register_advantage("episode_process")
+def episode_process(
+    inputs: CreditInputs,
+    *,
+    process_weight: float = 0.5,
+    episode_estimator: str = "grpo",
+    eps: float = 1e-6,
+) -> Array:
+    """Episode advantage plus each turn's own process reward.
+
+    With p_{b,k} the process reward of action turn k (``process_rewards`` summed over the turn's
+    action tokens; the environment puts it on the last one):
+
+      A[b, t] = A_ep(b) + process_weight * p_{b, turn(t)}
+
+    Unlike a reward-to-go, a turn is credited only with what it did itself, so a penalty for a
+    rejected call (code repair's ``rejected`` signal) lowers that call and nothing before it.
+    Process rewards are not group-baselined: in a group whose episodes all succeed or all fail
+    (A_ep = 0) they are the only signal.
+
+    Raises:
+      ValueError: if process_weight < 0, eps <= 0 or episode_estimator is unknown.
+    """
+    _check_range("process_weight", process_weight, 0.0, float("inf"))
+    _check_range("eps", eps, 0.0, float("inf"), lo_open=True)
+    validate_inputs(inputs)
+    mask, turn_ids = inputs.action_mask, inputs.turn_ids
+    a_ep = episode_advantage(inputs, episode_estimator, eps)
+    p = jnp.where(mask, inputs.process_rewards.astype(jnp.float32), 0.0)
+    p_turn = segments.per_turn_sum(p, turn_ids, mask)
+    return segments.turn_to_tokens(a_ep[:, None] + process_weight * p_turn, turn_ids, mask)

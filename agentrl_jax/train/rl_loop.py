@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -61,6 +62,10 @@ class LoopConfig:
       init_from: run dir or checkpoint dir whose SFT params start RL ('' = none).
       advantage: registered advantage estimator (``agentrl_jax.rl.advantages``).
       advantage_kwargs: its hyperparameters.
+      process_weights: weight of each environment process signal (code repair:
+        ``envs.coderepair.PROCESS_KEYS``) in ``process_rewards``; a missing key weighs 1.0.
+        Only estimators that read process rewards use them (``episode_process``, ``prm_orm``,
+        ``gigpo``, the discounted ones).
       max_turns: model turns per episode.
       eval_every: held-out evaluation every N steps (0: only before and after RL).
       ckpt_every: RL checkpoint every N steps (and at the end).
@@ -73,6 +78,7 @@ class LoopConfig:
     init_from: str = ""
     advantage: str = "grpo"
     advantage_kwargs: dict = dataclasses.field(default_factory=dict)
+    process_weights: dict = dataclasses.field(default_factory=dict)
     max_turns: int = 8
     eval_every: int = 0
     ckpt_every: int = 10
@@ -84,6 +90,16 @@ class LoopConfig:
             if getattr(self, name) < (1 if name in ("max_turns", "ckpt_every") else 0):
                 raise ValueError(f"LoopConfig.{name}={getattr(self, name)} is out of range")
         get_advantage(self.advantage)  # ValueError lists the registered names
+        from agentrl_jax.envs.coderepair import PROCESS_KEYS
+
+        unknown = sorted(set(self.process_weights) - set(PROCESS_KEYS))
+        if unknown:
+            raise ValueError(
+                f"LoopConfig.process_weights has unknown keys {unknown}; known: {PROCESS_KEYS}"
+            )
+        for k, w in self.process_weights.items():
+            if not isinstance(w, (int, float)) or not math.isfinite(w):
+                raise ValueError(f"LoopConfig.process_weights[{k!r}]={w!r} must be a finite number")
 
 
 # -- trajectories ------------------------------------------------------------------------------
@@ -140,6 +156,7 @@ class RLRun:
         self.cfg = cfg
         self.run_dir = run_dir
         self.loop = to_dataclass(cfg.train, LoopConfig)
+
         self.rl_cfg = rl_config(cfg.rl)
         self.data_cfg = to_dataclass(cfg.data, DataConfig)
         self.sampling = to_dataclass(cfg.rollout, SamplingConfig)
@@ -236,6 +253,7 @@ class RLRun:
             # instead of compiling the sampler for another batch shape.
             n_slots=self.batch_size,
             max_turns=self.loop.max_turns,
+            process_weights=self.loop.process_weights,
             group_ids=[i for i in range(len(items)) for _ in range(g)],
             log_path=log_path,
         )

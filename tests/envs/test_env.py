@@ -59,12 +59,16 @@ def test_bad_calls_become_error_observations(env, action, expect):
     assert expect in obs_text(env, obs)
     assert not res.done and res.outcome_reward == 0.0
     assert set(res.process) == set(PROCESS_KEYS)
+    rejected = -1.0 if expect.startswith("error") else 0.0
+    assert res.log["error"] == (rejected < 0)
+    assert res.process == {**dict.fromkeys(PROCESS_KEYS, 0.0), "rejected": rejected}
 
 
 def test_no_call_and_bad_ids(env):
     env.reset(make_task(3, 1))
     obs, res = env.step(env.tokenizer.encode("run"))
     assert "error no tool call" in obs_text(env, obs) and res.log["error"]
+    assert res.process["rejected"] == -1.0
     obs, _ = env.step([env.tokenizer.call_start_id, 10**6])
     assert "error bad call" in obs_text(env, obs)
 
@@ -92,7 +96,7 @@ def test_fix_any_way_submit_and_process_signals(env):
     new = orig[:2] + ["("] + orig[2:] + [")"] if orig[1] == "=" else orig
     obs, res = env.step(call(env, f"edit L{bug.line} {' '.join(new)}"))
     assert res.process["parse"] == 1.0 and res.process["error_classes"] == 1.0
-    assert res.process["tests"] == 1.0
+    assert res.process["tests"] == 1.0 and res.process["rejected"] == 0.0
     obs, res = env.step(call(env, "submit"))
     assert res.done and res.outcome_reward == 1.0 and res.log["goal_adhered"]
     assert obs[-1] == env.tokenizer.eos_id and "submitted pass" in obs_text(env, obs)

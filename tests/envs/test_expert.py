@@ -27,8 +27,8 @@ def test_expert_solves_every_task(difficulty):
 
 def test_detours_are_failed_edits_or_rejected_calls_then_fixes():
     env = CodeRepairEnv()
-    kinds = {"wrong_edit": 0, "slip": 0}
-    for seed in range(16):
+    kinds = {"wrong_edit": 0, "slip": 0, "guess": 0}
+    for seed in range(32):
         task = make_task(seed, 1)
         plan, detours = expert_plan_detours(task, detour_prob=1.0, seed=seed)
         assert plan == expert_plan(task, detour_prob=1.0, seed=seed)
@@ -45,12 +45,35 @@ def test_detours_are_failed_edits_or_rejected_calls_then_fixes():
             assert tools[k] == "sub" and "has no" in ep.logs[k]["output"]
             assert tools[k + 1] in ("sub", "edit") and not ep.logs[k + 1]["error"]
         else:
-            kinds["wrong_edit"] += 1  # the run after the wrong edit still fails
-            assert tools[k : k + 3] == ["edit", "run", "edit"]
+            # the run after the wrong edit still fails
             assert "fail" in ep.logs[k + 1]["output"] or "error" in ep.logs[k + 1]["output"]
-    assert kinds["slip"] >= 3 and kinds["wrong_edit"] >= 3, kinds
+            (bug,) = task.bugs
+            guessed = _line_after(task, plan[: k + 1], bug.line)
+            changed = [p for p, (a, b) in enumerate(zip(guessed, bug.original)) if a != b]
+            if len(guessed) == len(bug.original) and len(changed) == 1 and guessed != bug.mutated:
+                # a wrong guess: the bug's word replaced by another of its kind, then replaced
+                kinds["guess"] += 1
+                pos = changed[0]
+                assert guessed[pos] != bug.mutated[pos] or len(bug.mutated) != len(guessed)
+                assert tools[k] in ("sub", "edit") and tools[k + 2] in ("sub", "edit")
+                assert tools[k + 1] == "run"
+            else:
+                kinds["wrong_edit"] += 1
+                assert tools[k : k + 3] == ["edit", "run", "edit"]
+    assert min(kinds.values()) >= 3, kinds
     with pytest.raises(ValueError, match="detour_prob"):
         expert_plan(make_task(0, 0), detour_prob=1.5)
+
+
+def _line_after(task, calls, line):
+    """Line ``line`` of ``task``'s program after the tool calls ``calls``."""
+    from agentrl_jax.envs.base import call_tool
+    from agentrl_jax.envs.coderepair.tools import RepairState, default_registry
+
+    state = RepairState(task=task, lines=list(task.lines))
+    for call in calls:
+        call_tool(default_registry(), list(call), state, task.config.time_limit_s)
+    return state.lines[line]
 
 
 def test_demonstrations_are_deterministic_token_streams():

@@ -190,6 +190,20 @@ HAND_CASES = [
         ),
     ),
     (
+        # Dr.GRPO (group 7: 0.5, -0.5, 0; group 42: 1, -1) plus 2x each turn's own process
+        # reward: row 0's first turn holds 0.5, row 3's first turn 0.25; later turns keep A_ep.
+        "episode_process",
+        {"process_weight": 2.0, "episode_estimator": "dr_grpo"},
+        _rows(
+            [0, 1.5, 1.5, 0, 0.5, 0],
+            [0, -0.5, 0, -0.5, 0, 0],
+            [0, 1, 1, 1, 0, 0],
+            [0, -0.5, 0, 0, -1, -1],
+            Z,
+            Z,
+        ),
+    ),
+    (
         "attn_credit",
         {"uniform_mix": 0.5, "episode_estimator": "dr_grpo"},
         _rows(
@@ -332,6 +346,16 @@ def _ref_gigpo(inputs, gamma, weight):
     return out
 
 
+def _ref_episode_process(inputs, weight):
+    mask, turns, _, process = _np(inputs)[:4]
+    a_ep = _ref_episode(inputs, "grpo")
+    out = np.zeros(mask.shape)
+    for i in range(mask.shape[0]):
+        for _, pos, p in _ref_turn_table(mask, turns, np.where(mask, process, 0.0), i):
+            out[i, pos] = a_ep[i] + weight * p
+    return out
+
+
 def _ref_attn(inputs, alpha):
     mask, turns, outcome, process, _, _, _, attn = _np(inputs)
     a_ep = _ref_episode(inputs, "grpo")
@@ -356,6 +380,7 @@ REFERENCE_CASES = [
     ("rloo", {}, lambda x: np.where(np.asarray(x[0]), _ref_episode(x, "rloo")[:, None], 0.0)),
     ("gigpo", {"gamma": 0.8, "step_weight": 0.5}, lambda x: _ref_gigpo(x, 0.8, 0.5)),
     ("attn_credit", {"uniform_mix": 0.3}, lambda x: _ref_attn(x, 0.3)),
+    ("episode_process", {"process_weight": 0.7}, lambda x: _ref_episode_process(x, 0.7)),
 ]
 
 
@@ -421,6 +446,8 @@ def test_unknown_name_lists_known():
         ("gigpo", {}, INPUTS._replace(state_ids=None), "state_ids"),
         ("gigpo", {"episode_estimator": "ppo"}, INPUTS, "episode_estimator"),
         ("attn_credit", {}, INPUTS._replace(attn_credit=None), "attn_credit"),
+        ("episode_process", {"process_weight": -1.0}, INPUTS, "process_weight"),
+        ("episode_process", {"episode_estimator": "ppo"}, INPUTS, "episode_estimator"),
         ("attn_credit", {"uniform_mix": 0.0}, INPUTS, "uniform_mix"),
         ("orm", {}, INPUTS._replace(outcome_reward=jnp.zeros((5,))), "outcome_reward"),
         ("orm", {}, INPUTS._replace(action_mask=jnp.asarray(MASK, jnp.int32)), "action_mask"),

@@ -57,6 +57,7 @@ def test_main_job_smoke(tmp_path):
             "train.eval_before=False",
             "train.rl_steps=1",
             "train.advantage=gigpo",
+            "train.process_weights={'rejected': 0.5, 'parse': 0.0}",
         ],
     )
     second = run(cfg2, progress=False)
@@ -98,6 +99,11 @@ def test_loop_config_validation():
         LoopConfig(advantage="nope")
     with pytest.raises(ValueError, match="max_turns"):
         LoopConfig(max_turns=0)
+    with pytest.raises(ValueError, match="unknown keys \\['reject'\\]"):
+        LoopConfig(process_weights={"reject": 1.0})
+    with pytest.raises(ValueError, match="tests"):
+        LoopConfig(process_weights={"tests": float("nan")})
+    LoopConfig(process_weights={"rejected": 2.0, "tests": 0})
 
 
 def test_kl_to_reference_uses_the_start_params(tmp_path):

@@ -120,9 +120,10 @@ def _candidates(
     return out
 
 
-def _fix(line: int, original: tuple[str, ...], mutated: tuple[str, ...]) -> tuple[str, ...]:
-    """The shortest repair call: a one-word ``sub``, an inserting ``sub`` (a dropped word put
-    back beside a neighbour that is unique in the line), else ``edit`` of the whole line."""
+def repair_call(line: int, original: tuple[str, ...], mutated: tuple[str, ...]) -> tuple[str, ...]:
+    """The shortest call that turns line ``mutated`` into ``original``: a one-word ``sub``, an
+    inserting ``sub`` (a dropped word put back beside a neighbour that is unique in the line),
+    else ``edit`` of the whole line."""
     if len(original) == len(mutated):
         diff = [p for p in range(len(original)) if original[p] != mutated[p]]
         if len(diff) == 1:
@@ -198,7 +199,7 @@ def inject_bugs(
                 continue  # invisible to the visible tests
             out[k] = mut
             used.add(k)
-            bugs.append(Bug(kind, sub, k, lines[k], mut, _fix(k, lines[k], mut)))
+            bugs.append(Bug(kind, sub, k, lines[k], mut, repair_call(k, lines[k], mut)))
             break
         else:
             return None

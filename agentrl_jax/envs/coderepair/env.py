@@ -15,11 +15,13 @@ A model turn is the tokens from ``<call>`` to ``</call>`` (the sampler stops the
 ``<eot>``/``<eos>``). Anything else (no ``<call>``, unknown tool, bad arguments, a failing
 tool) is answered by an ``error ...`` observation and costs the turn.
 
-Process signals (``StepResult.process``), non-zero only after a call that changed the program,
-relative to the program before it:
+Process signals (``StepResult.process``); the first three are non-zero only after a call that
+changed the program, relative to the program before it:
   * ``parse``: +1 the code parses again, -1 it stopped parsing;
   * ``error_classes``: error classes (``syntax`` or a runtime fault kind) removed minus added;
-  * ``tests``: change in the fraction of visible tests passing.
+  * ``tests``: change in the fraction of visible tests passing;
+  * ``rejected``: -1 when the turn was answered by an ``error ...`` observation (no call, a bad
+    call, or a tool that refused it, e.g. a ``sub`` of a word the line does not hold).
 The outcome reward (final step only) is 1.0 iff every test, hidden ones included, passes at
 ``submit`` and the rule is kept. ``log["goal_adhered"]`` is set on the final step.
 """
@@ -35,7 +37,7 @@ from agentrl_jax.envs.coderepair.task import Task
 from agentrl_jax.envs.coderepair.tokenizer import CodeTokenizer
 from agentrl_jax.envs.coderepair.tools import RepairState, constraint_kept, default_registry
 
-PROCESS_KEYS = ("parse", "error_classes", "tests")
+PROCESS_KEYS = ("parse", "error_classes", "tests", "rejected")
 
 
 def _zero_process() -> dict[str, float]:
@@ -50,6 +52,7 @@ def process_signals(before: Evaluation, after: Evaluation, n_visible: int) -> di
         "parse": float(after.parses) - float(before.parses),
         "error_classes": float(removed - added),
         "tests": (after.n_pass - before.n_pass) / max(n_visible, 1),
+        "rejected": 0.0,
     }
 
 
@@ -138,6 +141,7 @@ class CodeRepairEnv:
                 after = self._evaluate_visible()
                 process = process_signals(self._eval, after, len(st.task.visible_tests))
                 self._eval = after
+        process["rejected"] = -1.0 if log["error"] else 0.0
         outcome = 0.0
         if st.submitted or self.turn >= cfg.max_turns:
             if not st.submitted:

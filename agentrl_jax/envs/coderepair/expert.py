@@ -9,12 +9,19 @@ A fix on the line the cursor points at (``run`` sets it) is written without the 
 
 Syntax bugs come first (nothing runs until the program parses), then the others by line. ``view``
 is used only when the prompt does not show the program. With ``detour_prob > 0`` a fix is
-sometimes preceded by a detour, either kind with equal probability:
-  * a plausible wrong edit of the same line and a ``run`` that shows it did not help; the fix
-    then rewrites the whole line (``edit Lk <original line>``);
+sometimes preceded by a detour of one of three kinds:
+  * a wrong guess: the bug's own word replaced by another word of its kind (another operator,
+    comparison, digit or variable; for a dropped operator, the wrong operator put back) and a
+    ``run`` that still fails; the fix then replaces the guess (``sub GUESS GOOD``, or ``edit``).
+    Bugs whose repair is a choice among alternatives (which operator, which constant) cannot be
+    read off the observation; these demonstrations show the search: try one, run, try another;
+  * a plausible wrong edit of another word of the same line and a ``run`` that shows it did not
+    help; the fix then rewrites the whole line (``edit Lk <original line>``);
   * a slip: a ``sub`` of a word the line does not hold, answered by an error observation.
-Detours show recovery from a failed or rejected call; ``ExpertPolicy.detour_turns`` lists them so
-behaviour cloning can learn the recovery without imitating the mistake.
+A bug that admits a wrong guess gets one with probability 1/2, else each of the other two kinds
+with probability 1/4; otherwise the two others with 1/2 each. Detours show recovery from a failed
+or rejected call; ``ExpertPolicy.detour_turns`` lists them so behaviour cloning can learn the
+recovery (and, after a wrong guess, which alternatives are left) without imitating the mistake.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from __future__ import annotations
 import random
 
 from agentrl_jax.envs.base import call_tool
-from agentrl_jax.envs.coderepair.bugs import Bug
+from agentrl_jax.envs.coderepair.bugs import Bug, repair_call
+from agentrl_jax.envs.coderepair.evaluation import evaluate
 from agentrl_jax.envs.coderepair.language import (
     FUNCTION_NAMES,
     TYPO_TO_NAME,
@@ -34,6 +42,13 @@ from agentrl_jax.envs.coderepair.tokenizer import CodeTokenizer
 from agentrl_jax.envs.coderepair.tools import _LINE_ID, RepairState, default_registry
 
 _SWAPS = (("+", "-", "*"), ("<", "<=", ">", ">="), tuple(str(d) for d in range(1, 10)))
+# Alternatives a wrong guess draws from, by the kind of the bug's word.
+_GUESSES = (
+    ("+", "-", "*", "%"),
+    ("<", "<=", ">", ">=", "==", "!="),
+    tuple(str(d) for d in range(1, 10)),
+    VARIABLES,
+)
 
 
 def _wrong_line(rng: random.Random, bug: Bug) -> tuple[str, ...] | None:
@@ -52,6 +67,38 @@ def _wrong_line(rng: random.Random, bug: Bug) -> tuple[str, ...] | None:
         pos, choices = rng.choice(options)
         words[pos] = rng.choice(choices)
         return tuple(words)
+    return None
+
+
+def _wrong_guess(rng: random.Random, task: Task, bug: Bug) -> tuple[str, ...] | None:
+    """The correct line with the bug's word replaced by another same-kind word that still fails
+    a visible test (a wrong guess at the repair), or None when the bug admits none.
+
+    The bug's word is the one the mutation changed (same-length lines) or dropped (one word
+    shorter); it is never the mutated word itself, so the guess is a new line.
+    """
+    good, bad = bug.original, bug.mutated
+    if len(good) == len(bad):
+        diff = [p for p in range(len(good)) if good[p] != bad[p]]
+        if len(diff) != 1:
+            return None
+        pos = diff[0]
+    elif len(good) == len(bad) + 1:
+        pos = next((p for p in range(len(bad)) if good[p] != bad[p]), len(bad))
+    else:
+        return None
+    group = next((g for g in _GUESSES if good[pos] in g), None)
+    if group is None:
+        return None
+    choices = [w for w in group if w != good[pos] and (len(good) != len(bad) or w != bad[pos])]
+    rng.shuffle(choices)
+    visible = [t for t in task.tests if not t.hidden]
+    for w in choices:
+        lines = list(task.original)
+        lines[bug.line] = good[:pos] + (w,) + good[pos + 1 :]
+        ev = evaluate(lines, visible, task.config.step_budget)
+        if not ev.all_pass:
+            return lines[bug.line]
     return None
 
 
@@ -126,8 +173,13 @@ def expert_plan_detours(
                 act(("view", fn))
         fix = bug.fix
         if detour_prob > 0 and rng.random() < detour_prob:
-            wrong = _wrong_line(rng, bug) if rng.random() < 0.5 else None
-            if wrong is not None:
+            guess = _wrong_guess(rng, task, bug) if rng.random() < 0.5 else None
+            wrong = _wrong_line(rng, bug) if guess is None and rng.random() < 0.5 else None
+            if guess is not None:
+                act(repair_call(bug.line, guess, state.lines[bug.line]), detour=True)
+                act(("run",))
+                fix = repair_call(bug.line, bug.original, guess)
+            elif wrong is not None:
                 act(("edit", f"L{bug.line}", *wrong), detour=True)
                 act(("run",))
                 fix = ("edit", f"L{bug.line}", *bug.original)
