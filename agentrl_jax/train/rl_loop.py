@@ -257,6 +257,8 @@ class RLRun:
             group_ids=[i for i in range(len(items)) for _ in range(g)],
             log_path=log_path,
         )
+        self._calls[0] += len(traj.logs)
+        self._calls[1] += sum(bool(r.get("error")) for r in traj.logs)
         groups = []
         for i in range(len(items)):
             idx = np.arange(i * g, (i + 1) * g)
@@ -275,6 +277,7 @@ class RLRun:
         t0 = time.perf_counter()
         store: list[dict] = []
         rounds = [0]
+        self._calls = [0, 0]  # model turns, turns answered by an error (this step's rollouts)
 
         def rollout_fn(items):
             out = self._rollout(step, items, rounds[0], store)
@@ -349,6 +352,7 @@ class RLRun:
                 "success": float(np.mean(all_rows["success"])),
                 "goal_adherence": float(np.mean(all_rows["goal_adhered"])),
                 "truncated": float(np.mean(all_rows["truncated"])),
+                "rejected_call_rate": self._calls[1] / max(self._calls[0], 1),
                 "episode_tokens": float(all_rows["valid"].sum(1).mean()),
                 "rollout_s": t_roll,
                 "update_s": t_upd,

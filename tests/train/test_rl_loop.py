@@ -38,6 +38,8 @@ def test_main_job_smoke(tmp_path):
     lines = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
     keys = set().union(*lines)
     assert any(k.startswith("sft/") for k in keys) and "rl/reward" in keys
+    rates = [x["rl/rejected_call_rate"] for x in lines if "rl/rejected_call_rate" in x]
+    assert len(rates) == cfg.train.rl_steps and all(0.0 <= r <= 1.0 for r in rates)
     assert "rl/mismatch/max_abs_dlogp" in keys or any(k.startswith("rl/mismatch/") for k in keys)
     for stage in ("sft", "rl"):
         assert os.listdir(os.path.join(run_dir, "checkpoints", stage))
