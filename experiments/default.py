@@ -73,9 +73,11 @@ def get_config(arg=None):
     # RL stage: GRPO groups of 4 on medium tasks (the held-out level), difficulty band 0.2-0.8,
     # 16 task groups per step and one optimiser step per rollout batch, per-sequence loss
     # aggregation. With the wrong-guess detours in SFT (session 8; 128 held-out episodes, SFT
-    # greedy / sampled 68.8% / 71.1%): this config 76.6% / 73.4% (+7.8 / +2.3), seed=1 75.0% /
-    # 71.1% (+6.3 / +0.0); train.advantage=episode_process with only the rejected-call penalty
-    # (process_weight 0.5): 70.3% / 71.9%, truncated greedy episodes 20% (2% without it).
+    # greedy / sampled 68.8% / 71.1%): this config 76.6% / 73.4% (+7.8 / +2.3), seed=1 and
+    # seed=2 75.0% / 71.1% (+6.3 / +0.0); rl.lr=1e-3 71.1% / 73.4%; sft.detour_prob=0.5: SFT
+    # 74.2% / 72.7%, RL 75.0% / 72.7%; train.advantage=episode_process with only the
+    # rejected-call penalty (process_weight 0.5): 70.3% / 71.9%, truncated greedy episodes 20%
+    # (2% without it).
     # Before them (session 7; SFT 69.5% / 67.2%):
     #   this config (50 steps): 71.9% / 71.1%, entropy flat (0.23 -> 0.23), truncated greedy /
     #     sampled episodes 14.8% / 19.5% -> 2% / 4%; seed=1: 73.4% / 71.1%, entropy 0.25 -> 0.20;
