@@ -74,7 +74,8 @@ def get_config(arg=None):
     # 16 task groups per step and one optimiser step per rollout batch, per-sequence loss
     # aggregation. With the wrong-guess detours in SFT (session 8; 128 held-out episodes, SFT
     # greedy / sampled 68.8% / 71.1%): this config 76.6% / 73.4% (+7.8 / +2.3), seed=1 and
-    # seed=2 75.0% / 71.1% (+6.3 / +0.0); rl.lr=1e-3 71.1% / 73.4%; sft.detour_prob=0.5: SFT
+    # seed=2 75.0% / 71.1% (+6.3 / +0.0); rl.lr=1e-3 71.1% / 73.4%; train.max_turns=10 69.5% /
+    # 75.0%; sft.detour_prob=0.5: SFT
     # 74.2% / 72.7%, RL 75.0% / 72.7%; train.advantage=episode_process with only the
     # rejected-call penalty (process_weight 0.5): 70.3% / 71.9%, truncated greedy episodes 20%
     # (2% without it).
