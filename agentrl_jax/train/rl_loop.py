@@ -156,7 +156,6 @@ class RLRun:
         self.cfg = cfg
         self.run_dir = run_dir
         self.loop = to_dataclass(cfg.train, LoopConfig)
-
         self.rl_cfg = rl_config(cfg.rl)
         self.data_cfg = to_dataclass(cfg.data, DataConfig)
         self.sampling = to_dataclass(cfg.rollout, SamplingConfig)

@@ -52,7 +52,6 @@ def process_signals(before: Evaluation, after: Evaluation, n_visible: int) -> di
         "parse": float(after.parses) - float(before.parses),
         "error_classes": float(removed - added),
         "tests": (after.n_pass - before.n_pass) / max(n_visible, 1),
-        "rejected": 0.0,
     }
 
 
@@ -139,7 +138,7 @@ class CodeRepairEnv:
             tool = self.registry.get(res.name)
             if not res.error and tool is not None and tool.mutates:
                 after = self._evaluate_visible()
-                process = process_signals(self._eval, after, len(st.task.visible_tests))
+                process.update(process_signals(self._eval, after, len(st.task.visible_tests)))
                 self._eval = after
         process["rejected"] = -1.0 if log["error"] else 0.0
         outcome = 0.0
