@@ -15,8 +15,14 @@ How a batch is drawn (all steps deterministic per ``DataConfig.shuffle_seed``):
 1. Sources: one grain dataset per stratum (bug type: every cell whose combination contains it)
    when ``balance_bug_types``, otherwise one over all cells; each is an infinite, shuffled grid
    of task specs with equal weight per difficulty.
-2. Diversity: batch slot ``j`` reads the stratum ``strata[(offset + j) % S]`` (round robin that
-   carries over between batches).
+2. Diversity: batch slots read the strata round robin (an offset that carries over between
+   batches) over the strata worth training on: a stratum is taken with the largest
+   `accept_probability` of its buckets, so one whose every bucket is estimated and out of band
+   (solved, or hopeless) is skipped but with probability ``out_of_band_prob`` (re-estimation;
+   its task is then taken as drawn). Skips count in ``data/skipped_strata``; when every stratum
+   is skipped the slot keeps the first one tried (and step 3 filters its candidates). Without
+   this a solved stratum (one bug type at one level is one bucket) filled its share of every
+   batch with all-equal groups.
 3. Difficulty band: a candidate is accepted with `accept_probability` of its bucket (1 while
    unestimated or inside ``[band_low, band_high]``, ``out_of_band_prob`` otherwise); after
    ``max_draws_per_task`` rejections the last candidate is taken (counted in ``data/forced``).
@@ -52,6 +58,11 @@ from agentrl_jax.data.sources import SPLITS, split_cells, task_dataset, task_ite
 from agentrl_jax.data.transforms import MakeTask
 
 STATE_VERSION = 1
+
+
+def _new_stats() -> dict[str, int]:
+    keys = ("accepted", "rejected", "forced", "skipped_strata", "dropped", "groups")
+    return dict.fromkeys(keys, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +205,7 @@ class TaskPipeline:
             for name in sorted(set(cell[1])) if config.balance_bug_types else ("all",):
                 by_stratum.setdefault(name, []).append(cell)
         self.strata: tuple[str, ...] = tuple(sorted(by_stratum))
+        self._cells = by_stratum
         seeds = config.train_seeds if split == "train" else config.heldout_seeds
         self._datasets = {
             name: task_dataset(
@@ -210,7 +222,7 @@ class TaskPipeline:
         self.tracker = SuccessTracker(k=config.k_samples)
         self._offset = 0
         self._draws = 0
-        self._stats = {"accepted": 0, "rejected": 0, "forced": 0, "dropped": 0, "groups": 0}
+        self._stats = _new_stats()
 
     # -- drawing ---------------------------------------------------------------------------------
 
@@ -223,8 +235,46 @@ class TaskPipeline:
             self.tracker, key, low=c.band_low, high=c.band_high, out_of_band_prob=c.out_of_band_prob
         )
 
-    def _draw(self, name: str) -> dict[str, Any]:
+    def _stratum_p(self, name: str) -> float:
+        """Probability of giving a slot to stratum ``name``: its most trainable bucket's."""
+        c = self.config
+        if not self.adaptive or c.track_by != "bucket":
+            return 1.0  # per-task keys say nothing about a stratum
+        return max(
+            accept_probability(
+                self.tracker,
+                bucket_key({"difficulty": d, "bug_types": combo}),
+                low=c.band_low,
+                high=c.band_high,
+                out_of_band_prob=c.out_of_band_prob,
+            )
+            for d, combo in self._cells[name]
+        )
+
+    def _next_stratum(self) -> tuple[str, bool]:
+        """The next slot's stratum (round robin over those taken) and whether it was taken as
+        an out-of-band re-estimation (its candidate is then not band-filtered again)."""
+        first = None
+        for _ in range(len(self.strata)):
+            name = self.strata[self._offset]
+            self._offset = (self._offset + 1) % len(self.strata)
+            first = first or name
+            p = self._stratum_p(name)
+            if p >= 1.0:
+                return name, False
+            u = hash_uniform(self.config.shuffle_seed, self._draws)
+            self._draws += 1
+            if u < p:
+                return name, True
+            self._stats["skipped_strata"] += 1
+        self._offset = (self.strata.index(first) + 1) % len(self.strata)
+        return first, False
+
+    def _draw(self, name: str, explore: bool = False) -> dict[str, Any]:
         it = self._iters[name]
+        if explore:
+            self._stats["accepted"] += 1
+            return dict(next(it))
         for _ in range(self.config.max_draws_per_task):
             spec = next(it)
             u = hash_uniform(self.config.shuffle_seed, self._draws)
@@ -250,10 +300,9 @@ class TaskPipeline:
         if n < 0:
             raise ValueError(f"n={n} must be >= 0")
         items = []
-        for j in range(n):
-            spec = self._draw(self.strata[(self._offset + j) % len(self.strata)])
+        for _ in range(n):
+            spec = self._draw(*self._next_stratum())
             items.append(self._make_task.map(spec) if self._make_task else spec)
-        self._offset = (self._offset + n) % len(self.strata)
         return items
 
     # -- feedback --------------------------------------------------------------------------------
@@ -385,5 +434,5 @@ class TaskPipeline:
             it.set_state(dict(state["iterators"][name]))
         self._offset = int(state["offset"])
         self._draws = int(state["draws"])
-        self._stats = {k: int(v) for k, v in state["stats"].items()}
+        self._stats = {**_new_stats(), **{k: int(v) for k, v in state["stats"].items()}}
         self.tracker = SuccessTracker.from_dict(state["tracker"])

@@ -168,7 +168,7 @@ def test_state_restore_reproduces_the_future():
     replay = [q.collect(rollout) for _ in range(3)]
     for (kg, km), (rg, rm) in zip(future, replay, strict=True):
         assert _keys([g["spec"] for g in kg]) == _keys([g["spec"] for g in rg])
-        assert km == rm
+        assert json.dumps(km, sort_keys=True) == json.dumps(rm, sort_keys=True)  # NaN == NaN
     assert q.tracker == p.tracker and q.state() == p.state()
     with pytest.raises(ValueError, match="split"):
         TaskPipeline(cfg, "heldout").restore(saved)
@@ -241,6 +241,7 @@ def test_forced_draws_when_nothing_is_in_band_and_per_task_tracking():
     assert len(items) == 5
     s = p.stats()
     assert s["data/forced"] == 5 and s["data/rejected"] == 15 and s["data/accepted"] == 0
+    assert s["data/skipped_strata"] == 5 * len(BUGS)  # each slot tried every stratum first
     # per-task keys: a tiny pool revisits tasks, and a solved task stops being drawn
     small = {**SMALL, "train_seeds": (0, 2), "difficulties": (1,), "out_of_band_prob": 0.0}
     cfg = DataConfig(**small, track_by="task", balance_bug_types=False)
@@ -251,3 +252,27 @@ def test_forced_draws_when_nothing_is_in_band_and_per_task_tracking():
     p.update([{"spec": solved, "rewards": [1.0] * 4}])
     assert f"train/s{solved['seed']}/d1/" in next(iter(p.tracker.counts))
     assert _keys([solved])[0] not in _keys(p.next_batch(40))
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.1])
+def test_out_of_band_stratum_is_skipped_and_the_rest_stay_balanced(floor):
+    # One bug type at one level is one bucket: once it is solved, its round-robin share of every
+    # batch would be all-equal groups. It gets a slot only as a re-estimation (prob `floor`).
+    cfg = DataConfig(**{**SMALL, "difficulties": (1,)}, out_of_band_prob=floor)
+    p = TaskPipeline(cfg)
+    p.tracker = update_tracker(p.tracker, "d1/missing_dependency", [1.0] * 4)
+    p.tracker = update_tracker(p.tracker, "d1/logic", [1.0, 0.0, 0.0, 1.0])
+    items = p.next_batch(600)
+    counts = collections.Counter(i["bug_types"][0] for i in items)
+    md = counts.pop("missing_dependency", 0)
+    assert md <= 600 * floor * 1.5 and (md > 0) == (floor > 0)
+    assert max(counts.values()) - min(counts.values()) <= 1  # round robin over the others
+    s = p.stats()
+    assert s["data/skipped_strata"] > 150 and s["data/forced"] == 0
+    assert s["data/rejected"] == 0  # a re-estimated stratum's task is taken as drawn
+    # not adaptive (held-out): no skipping
+    h = TaskPipeline(cfg, "heldout")
+    h.tracker = p.tracker
+    assert collections.Counter(
+        t for i in h.next_batch(40) for t in i["bug_types"]
+    ) == dict.fromkeys(BUGS, 10)
