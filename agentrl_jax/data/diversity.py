@@ -68,13 +68,15 @@ def bug_type_metrics(
 
     Args:
       groups: ``{"spec": spec, "rewards": [G], "success"?: [G]}`` records.
-      bug_types: types always reported (count 0 and success rate NaN when absent).
+      bug_types: types whose count is always reported (0 when absent; an absent type has no
+        success rate: a NaN scalar would make every step's TensorBoard write warn).
       success_threshold: reward above which a rollout counts as solved when ``"success"`` is absent.
 
     Returns:
       ``{"bug_type/<t>/count", "bug_type/<t>/success_rate", "difficulty/<d>/count",
       "difficulty/<d>/success_rate", "bug_type/imbalance"}`` as floats; counts are groups,
-      success rates are means over rollouts.
+      success rates are means over rollouts, the imbalance is over the types present (a type
+      the pipeline skips shows as count 0, not as an infinite imbalance).
     """
     solved: dict[str, list[float]] = {t: [] for t in bug_types or ()}
     n_groups: dict[str, int] = {t: 0 for t in bug_types or ()}
@@ -92,11 +94,10 @@ def bug_type_metrics(
     metrics: dict[str, float] = {}
     for t in sorted(solved):
         metrics[f"bug_type/{t}/count"] = float(n_groups[t])
-        metrics[f"bug_type/{t}/success_rate"] = (
-            float(np.mean(solved[t])) if solved[t] else float("nan")
-        )
+        if solved[t]:
+            metrics[f"bug_type/{t}/success_rate"] = float(np.mean(solved[t]))
     for d in sorted(by_difficulty):
         metrics[f"difficulty/{d}/count"] = float(d_groups[d])
         metrics[f"difficulty/{d}/success_rate"] = float(np.mean(by_difficulty[d]))
-    metrics["bug_type/imbalance"] = imbalance(n_groups)
+    metrics["bug_type/imbalance"] = imbalance({t: n for t, n in n_groups.items() if n})
     return metrics
