@@ -256,6 +256,7 @@ class MetricsWriter:
                 raise ValueError(f"metric name {name!r} is reserved; allowed: any but step/time")
             record[name] = to_jsonable(value, key=name)
         self._jsonl.write(record)
+        self._jsonl.flush()  # a running job's curves are readable (tail -f, `agentrl report`)
         if self._tb is not None:
             for name, value in record.items():
                 if name in _RESERVED_KEYS:

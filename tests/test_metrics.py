@@ -72,6 +72,8 @@ def test_metrics_jsonl_roundtrip_and_tensorboard(tmp_path):
                 },
                 prefix="train",
             )
+            # each step is on disk before the writer closes (a running job can be watched)
+            assert len(metrics.read_jsonl(w.path)) == step + 1
         w.write(
             3,
             {"loss": float("nan"), "kl": float("inf"), "note": "switch", "x": None},
