@@ -74,6 +74,12 @@ def _bound_before(lines: Sequence[tuple[str, ...]], start: int, line: int) -> li
     return names
 
 
+def bound_names(lines: Sequence[tuple[str, ...]], line: int) -> list[str]:
+    """Variables bound before ``line`` in its function: parameters, then locals in order."""
+    start = max(s for s, e in function_spans(lines).values() if s <= line <= e)
+    return _bound_before(lines, start, line)
+
+
 def _candidates(
     kind: str, lines: Sequence[tuple[str, ...]], k: int, start: int, rng: random.Random
 ) -> list[tuple[str, tuple[str, ...]]]:

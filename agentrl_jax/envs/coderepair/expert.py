@@ -11,8 +11,9 @@ Syntax bugs come first (nothing runs until the program parses), then the others 
 is used only when the prompt does not show the program. With ``detour_prob > 0`` a fix is
 sometimes preceded by a detour of one of three kinds:
   * a wrong guess: the bug's own word replaced by another word of its kind (another operator,
-    comparison, digit or variable; for a dropped operator, the wrong operator put back) and a
-    ``run`` that still fails; the fix then replaces the guess (``sub GUESS GOOD``, or ``edit``).
+    comparison, digit, or variable bound at that line; for a dropped operator, the wrong
+    operator put back) and a ``run`` that still fails; the fix then replaces the guess
+    (``sub GUESS GOOD``, or ``edit``).
     Bugs whose repair is a choice among alternatives (which operator, which constant) cannot be
     read off the observation; these demonstrations show the search: try one, run, try another;
   * a plausible wrong edit of another word of the same line and a ``run`` that shows it did not
@@ -29,7 +30,7 @@ from __future__ import annotations
 import random
 
 from agentrl_jax.envs.base import call_tool
-from agentrl_jax.envs.coderepair.bugs import Bug, repair_call
+from agentrl_jax.envs.coderepair.bugs import Bug, bound_names, repair_call
 from agentrl_jax.envs.coderepair.evaluation import evaluate
 from agentrl_jax.envs.coderepair.language import (
     FUNCTION_NAMES,
@@ -90,6 +91,8 @@ def _wrong_guess(rng: random.Random, task: Task, bug: Bug) -> tuple[str, ...] | 
     group = next((g for g in _GUESSES if good[pos] in g), None)
     if group is None:
         return None
+    if group is VARIABLES:  # a name bound at the line, as the bug itself draws them
+        group = tuple(bound_names(task.original, bug.line))
     choices = [w for w in group if w != good[pos] and (len(good) != len(bad) or w != bad[pos])]
     rng.shuffle(choices)
     visible = [t for t in task.tests if not t.hidden]
