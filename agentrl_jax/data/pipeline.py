@@ -22,7 +22,7 @@ How a batch is drawn (all steps deterministic per ``DataConfig.shuffle_seed``):
    its task is then taken as drawn). Skips count in ``data/skipped_strata``; when every stratum
    is skipped the slot keeps the first one tried (and step 3 filters its candidates). Without
    this a solved stratum (one bug type at one level is one bucket) filled its share of every
-   batch with all-equal groups.
+   batch with all-equal groups. ``skip_strata=False`` turns this off.
 3. Difficulty band: a candidate is accepted with `accept_probability` of its bucket (1 while
    unestimated or inside ``[band_low, band_high]``, ``out_of_band_prob`` otherwise); after
    ``max_draws_per_task`` rejections the last candidate is taken (counted in ``data/forced``).
@@ -81,6 +81,8 @@ class DataConfig:
       repeat_bug_types: a bug type may occur more than once in a task.
       heldout_combo: combinations containing all these types are kept out of train (None: none).
       balance_bug_types: round-robin over bug-type combinations within and across batches.
+      skip_strata: skip strata whose every bucket is estimated out of band (module docstring,
+        step 2); False gives every stratum its round-robin share.
       track_by: ``"bucket"`` ((difficulty, bug types)) or ``"task"`` (each task on its own).
       out_of_band_prob: acceptance probability of estimated out-of-band buckets (re-estimation).
       success_threshold: reward above which a rollout is a success, when groups carry no
@@ -103,6 +105,7 @@ class DataConfig:
     repeat_bug_types: bool = True
     heldout_combo: tuple[str, ...] | None = ("missing_dependency", "off_by_one")
     balance_bug_types: bool = True
+    skip_strata: bool = True
     track_by: str = "bucket"
     out_of_band_prob: float = 0.05
     success_threshold: float = 0.5
@@ -238,7 +241,7 @@ class TaskPipeline:
     def _stratum_p(self, name: str) -> float:
         """Probability of giving a slot to stratum ``name``: its most trainable bucket's."""
         c = self.config
-        if not self.adaptive or c.track_by != "bucket":
+        if not self.adaptive or not c.skip_strata or c.track_by != "bucket":
             return 1.0  # per-task keys say nothing about a stratum
         return max(
             accept_probability(
