@@ -234,7 +234,12 @@ def test_state_saves_and_restores_with_orbax(tmp_path):
 
 
 def test_forced_draws_when_nothing_is_in_band_and_per_task_tracking():
-    cfg = DataConfig(**{**SMALL, "difficulties": (1,)}, out_of_band_prob=0.0, max_draws_per_task=3)
+    cfg = DataConfig(
+        **{**SMALL, "difficulties": (1,)},
+        out_of_band_prob=0.0,
+        max_draws_per_task=3,
+        skip_strata=True,
+    )
     p = TaskPipeline(cfg)
     for t in BUGS:
         p.tracker = update_tracker(p.tracker, f"d1/{t}", [0.0] * 4)
@@ -259,7 +264,7 @@ def test_forced_draws_when_nothing_is_in_band_and_per_task_tracking():
 def test_out_of_band_stratum_is_skipped_and_the_rest_stay_balanced(floor):
     # One bug type at one level is one bucket: once it is solved, its round-robin share of every
     # batch would be all-equal groups. It gets a slot only as a re-estimation (prob `floor`).
-    cfg = DataConfig(**{**SMALL, "difficulties": (1,)}, out_of_band_prob=floor)
+    cfg = DataConfig(**{**SMALL, "difficulties": (1,)}, out_of_band_prob=floor, skip_strata=True)
     p = TaskPipeline(cfg)
     p.tracker = update_tracker(p.tracker, "d1/missing_dependency", [1.0] * 4)
     p.tracker = update_tracker(p.tracker, "d1/logic", [1.0, 0.0, 0.0, 1.0])
