@@ -242,38 +242,29 @@ class TaskPipeline:
 
     def _stratum_p(self, name: str) -> float:
         """Probability of giving a slot to stratum ``name``: its most trainable bucket's."""
-        c = self.config
-        if not self.adaptive or not c.skip_strata or c.track_by != "bucket":
+        if not self.config.skip_strata or self.config.track_by != "bucket":
             return 1.0  # per-task keys say nothing about a stratum
         return max(
-            accept_probability(
-                self.tracker,
-                bucket_key({"difficulty": d, "bug_types": combo}),
-                low=c.band_low,
-                high=c.band_high,
-                out_of_band_prob=c.out_of_band_prob,
-            )
-            for d, combo in self._cells[name]
+            self._accept_p({"difficulty": d, "bug_types": combo}) for d, combo in self._cells[name]
         )
 
     def _next_stratum(self) -> tuple[str, bool]:
         """The next slot's stratum (round robin over those taken) and whether it was taken as
         an out-of-band re-estimation (its candidate is then not band-filtered again)."""
-        first = None
-        for _ in range(len(self.strata)):
-            name = self.strata[self._offset]
-            self._offset = (self._offset + 1) % len(self.strata)
-            first = first or name
+        start, n = self._offset, len(self.strata)
+        for i in range(n):
+            name = self.strata[(start + i) % n]
             p = self._stratum_p(name)
-            if p >= 1.0:
-                return name, False
-            u = hash_uniform(self.config.shuffle_seed, self._draws)
-            self._draws += 1
-            if u < p:
-                return name, True
+            taken = p >= 1.0
+            if not taken:
+                taken = hash_uniform(self.config.shuffle_seed, self._draws) < p
+                self._draws += 1
+            if taken:
+                self._offset = (start + i + 1) % n
+                return name, p < 1.0
             self._stats["skipped_strata"] += 1
-        self._offset = (self.strata.index(first) + 1) % len(self.strata)
-        return first, False
+        self._offset = (start + 1) % n
+        return self.strata[start], False
 
     def _draw(self, name: str, explore: bool = False) -> dict[str, Any]:
         it = self._iters[name]
