@@ -4,6 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
+# The suite compiles ~770 CPU-s of distinct XLA programs on a clean clone (60% of its CPU time).
+# LLVM optimisation off (HLO passes, hence op order and dtypes, unchanged) cuts a cold
+# `make test` on 2 cores from 647 to 486 s with the same 450 tests passing (session 10).
+# `make test TEST_XLA_FLAGS=` runs the suite with XLA's default optimisation.
+TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 
 .PHONY: train test setup lint bench clean-venv
 
@@ -19,7 +24,7 @@ train: $(STAMP)
 	$(VENV)/bin/agentrl train experiments/default.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
