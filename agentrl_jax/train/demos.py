@@ -52,6 +52,7 @@ def demo_episode(
     *,
     detour_prob: float = 0.0,
     detour_seed: int = 0,
+    max_guesses: int = 1,
 ) -> dict[str, Any]:
     """Plays the expert on the task of ``spec``; returns the demonstration arrays.
 
@@ -60,6 +61,7 @@ def demo_episode(
       tokenizer: the shared tokenizer.
       detour_prob: probability of a detour before each fix, in ``[0, 1]``.
       detour_seed: randomness of the detours.
+      max_guesses: most wrong guesses in a row in a wrong-guess detour (``expert_plan_detours``).
 
     Returns:
       ``{"tokens", "action_mask", "fix_mask", "detour_mask", "turn_ids"}`` numpy arrays of
@@ -67,10 +69,12 @@ def demo_episode(
       module docstring), plus ``"success"`` (bool), ``"bug_types"`` and ``"seed"``.
 
     Raises:
-      ValueError: bad ``detour_prob`` or task spec.
+      ValueError: bad ``detour_prob``, ``max_guesses`` or task spec.
     """
     task = make_task(int(spec["seed"]), int(spec["difficulty"]), bug_types=tuple(spec["bug_types"]))
-    policy = ExpertPolicy(task, tokenizer, detour_prob=detour_prob, seed=detour_seed)
+    policy = ExpertPolicy(
+        task, tokenizer, detour_prob=detour_prob, seed=detour_seed, max_guesses=max_guesses
+    )
     ep = play_episode(CodeRepairEnv(tokenizer), task, policy)
     detour_turns = sorted(policy.detour_turns)
     fix_turns = [
@@ -94,11 +98,14 @@ def demo_episode(
 class MakeDemo(grain.transforms.Map):
     """grain transform: task spec -> demonstration (``demo_episode``)."""
 
-    def __init__(self, detour_prob: float = 0.0, detour_seed: int = 0):
+    def __init__(self, detour_prob: float = 0.0, detour_seed: int = 0, max_guesses: int = 1):
         if not 0.0 <= detour_prob <= 1.0:
             raise ValueError(f"detour_prob={detour_prob} must be in [0, 1]")
+        if max_guesses < 1:
+            raise ValueError(f"max_guesses={max_guesses} must be >= 1")
         self.detour_prob = detour_prob
         self.detour_seed = detour_seed
+        self.max_guesses = max_guesses
         self.tokenizer = CodeTokenizer()
 
     def map(self, element: Mapping[str, Any]) -> dict[str, Any]:
@@ -107,6 +114,7 @@ class MakeDemo(grain.transforms.Map):
             self.tokenizer,
             detour_prob=self.detour_prob,
             detour_seed=self.detour_seed,
+            max_guesses=self.max_guesses,
         )
 
 
@@ -188,6 +196,7 @@ class DemoSource:
     Attributes:
       difficulties: environment difficulty levels (equal weight each).
       detour_prob: probability of a detour before each fix.
+      max_guesses: most wrong guesses in a row in a wrong-guess detour (>= 1).
       buckets: padded sequence lengths, ascending; longer episodes are dropped.
       shuffle_seed: seed of the task order.
       read_threads: grain reader threads (demonstrations are played in them).
@@ -196,6 +205,7 @@ class DemoSource:
 
     difficulties: tuple[int, ...] = (1,)
     detour_prob: float = 0.0
+    max_guesses: int = 1
     buckets: tuple[int, ...] = (256, 320, 384)
     shuffle_seed: int = 0
     read_threads: int = 1
@@ -208,6 +218,8 @@ class DemoSource:
             raise ValueError("difficulties must be non-empty")
         if not 0.0 <= self.detour_prob <= 1.0:
             raise ValueError(f"detour_prob={self.detour_prob} must be in [0, 1]")
+        if self.max_guesses < 1:
+            raise ValueError(f"max_guesses={self.max_guesses} must be >= 1")
         if not self.buckets or list(self.buckets) != sorted(self.buckets) or self.buckets[0] < 2:
             raise ValueError(f"buckets={self.buckets} must be non-empty, ascending and >= 2")
         if self.read_threads < 0:
@@ -237,7 +249,7 @@ class DemoStream:
         ds = task_dataset(
             "train", data_cfg.cells("train"), data_cfg.train_seeds, source.shuffle_seed
         )
-        ds = ds.map(MakeDemo(source.detour_prob, source.shuffle_seed))
+        ds = ds.map(MakeDemo(source.detour_prob, source.shuffle_seed, source.max_guesses))
         read = grain.ReadOptions(
             num_threads=source.read_threads, prefetch_buffer_size=4 * batch_size
         )

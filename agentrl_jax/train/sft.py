@@ -73,6 +73,8 @@ class SFTConfig:
       curriculum_fraction: fraction of steps in the curriculum phase, in ``[0, 1)``.
       curriculum_crop_len: crop curriculum demonstrations to this many tokens (0: whole).
       detour_prob: probability of a detour (wrong edit, run, fix) before each expert fix.
+      max_guesses: most wrong guesses in a row in a wrong-guess detour (>= 1; the expert's
+        ``expert_plan_detours``).
       buckets: padded sequence lengths (one compiled step each); longer demos are dropped.
       read_threads: grain threads that play demonstrations while the step runs.
       log_every: steps between metric records.
@@ -95,6 +97,7 @@ class SFTConfig:
     curriculum_fraction: float = 0.0
     curriculum_crop_len: int = 0
     detour_prob: float = 0.1
+    max_guesses: int = 1
     buckets: tuple[int, ...] = (256, 320, 384)
     read_threads: int = 1
     log_every: int = 25
@@ -105,7 +108,7 @@ class SFTConfig:
     def __post_init__(self):
         for name in ("difficulties", "curriculum_difficulties", "buckets"):
             object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
-        for name in ("steps", "batch_size", "log_every", "max_to_keep"):
+        for name in ("steps", "batch_size", "log_every", "max_to_keep", "max_guesses"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SFTConfig.{name}={getattr(self, name)} must be >= 1")
         for name in ("warmup_steps", "checkpoint_every", "read_threads"):
@@ -262,6 +265,7 @@ def _stream(cfg: SFTConfig, difficulties, seed_offset: int, crop_len: int = 0) -
         crop_len=crop_len,
         difficulties=difficulties,
         detour_prob=cfg.detour_prob,
+        max_guesses=cfg.max_guesses,
         buckets=cfg.buckets,
         shuffle_seed=cfg.seed + seed_offset,
         read_threads=cfg.read_threads,

@@ -77,6 +77,40 @@ def test_detours_are_failed_edits_or_rejected_calls_then_fixes():
         expert_plan(make_task(0, 0), detour_prob=1.5)
 
 
+def test_several_wrong_guesses_in_a_row_then_the_fix():
+    env = CodeRepairEnv()
+    runs = {1: 0, 2: 0, 3: 0}
+    for seed in range(64):
+        task = make_task(seed, 1)
+        one = expert_plan_detours(task, detour_prob=1.0, seed=seed)
+        assert expert_plan_detours(task, detour_prob=1.0, seed=seed, max_guesses=1) == one
+        plan, detours = expert_plan_detours(task, detour_prob=1.0, seed=seed, max_guesses=3)
+        policy = ExpertPolicy(task, detour_prob=1.0, seed=seed, max_guesses=3)
+        assert policy.plan == plan and policy.detour_turns == {k + 1 for k in detours}
+        ep = play_episode(env, task, policy)
+        assert ep.success and ep.n_turns <= task.config.max_turns, seed
+        ks = sorted(detours)
+        runs[len(ks)] += 1
+        if len(ks) == 1:
+            continue
+        # guesses alternate with runs that still fail; each guess is a new line, and the fix
+        # follows the last run
+        (bug,) = task.bugs
+        tools = [log["tool"] for log in ep.logs]
+        assert ks == list(range(ks[0], ks[0] + 2 * len(ks), 2)), (seed, ks)
+        seen = {tuple(bug.mutated), tuple(bug.original)}
+        for k in ks:
+            assert tools[k] in ("sub", "edit") and tools[k + 1] == "run"
+            assert "fail" in ep.logs[k + 1]["output"] or "error" in ep.logs[k + 1]["output"]
+            guessed = tuple(_line_after(task, plan[: k + 1], bug.line))
+            assert guessed not in seen, (seed, k, guessed)
+            seen.add(guessed)
+        assert tools[ks[-1] + 2] in ("sub", "edit") and ks[-1] + 2 not in detours
+    assert runs[2] >= 2 and runs[3] >= 2, runs
+    with pytest.raises(ValueError, match="max_guesses"):
+        expert_plan(make_task(0, 1), detour_prob=0.5, max_guesses=0)
+
+
 def _line_after(task, calls, line):
     """Line ``line`` of ``task``'s program after the tool calls ``calls``."""
     from agentrl_jax.envs.base import call_tool

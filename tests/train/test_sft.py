@@ -12,7 +12,7 @@ import pytest
 from agentrl_jax.envs.coderepair import CodeTokenizer
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.train.checkpoint import Checkpointer, restore_params, stage_dir
-from agentrl_jax.train.demos import bucket_length, crop_demo, demo_episode, pad_batch
+from agentrl_jax.train.demos import DemoSource, bucket_length, crop_demo, demo_episode, pad_batch
 from agentrl_jax.train.sft import MAX_TURN_SLOTS, SFTConfig, make_optimizer, run_sft, sft_loss
 
 TINY = ModelConfig(
@@ -119,6 +119,10 @@ def test_config_validation():
         SFTConfig(curriculum_fraction=1.0)
     with pytest.raises(ValueError, match="buckets"):
         SFTConfig(buckets=(384, 256))
+    with pytest.raises(ValueError, match="max_guesses"):
+        SFTConfig(max_guesses=0)
+    with pytest.raises(ValueError, match="max_guesses"):
+        DemoSource(max_guesses=0)
 
 
 def test_checkpoint_round_trip_bitwise(tmp_path):

@@ -15,7 +15,9 @@ sometimes preceded by a detour of one of three kinds:
     operator put back) and a ``run`` that still fails; the fix then replaces the guess
     (``sub GUESS GOOD``, or ``edit``).
     Bugs whose repair is a choice among alternatives (which operator, which constant) cannot be
-    read off the observation; these demonstrations show the search: try one, run, try another;
+    read off the observation; these demonstrations show the search: try one, run, try another.
+    With ``max_guesses`` > 1 a demonstration makes 1 to ``max_guesses`` (uniform) distinct wrong
+    guesses in a row, each followed by a ``run``, before the fix replaces the last one;
   * a plausible wrong edit of another word of the same line and a ``run`` that shows it did not
     help; the fix then rewrites the whole line (``edit Lk <original line>``);
   * a slip: a ``sub`` of a word the line does not hold, answered by an error observation.
@@ -71,38 +73,42 @@ def _wrong_line(rng: random.Random, bug: Bug) -> tuple[str, ...] | None:
     return None
 
 
-def _wrong_guess(rng: random.Random, task: Task, bug: Bug) -> tuple[str, ...] | None:
-    """The correct line with the bug's word replaced by another same-kind word that still fails
-    a visible test (a wrong guess at the repair), or None when the bug admits none.
+def _wrong_guesses(rng: random.Random, task: Task, bug: Bug, n: int = 1) -> list[tuple[str, ...]]:
+    """Up to ``n`` distinct wrong guesses at the repair: the correct line with the bug's word
+    replaced by another same-kind word that still fails a visible test (empty when the bug admits
+    none).
 
     The bug's word is the one the mutation changed (same-length lines) or dropped (one word
-    shorter); it is never the mutated word itself, so the guess is a new line.
+    shorter); it is never the mutated word itself, so each guess is a new line.
     """
     good, bad = bug.original, bug.mutated
     if len(good) == len(bad):
         diff = [p for p in range(len(good)) if good[p] != bad[p]]
         if len(diff) != 1:
-            return None
+            return []
         pos = diff[0]
     elif len(good) == len(bad) + 1:
         pos = next((p for p in range(len(bad)) if good[p] != bad[p]), len(bad))
     else:
-        return None
+        return []
     group = next((g for g in _GUESSES if good[pos] in g), None)
     if group is None:
-        return None
+        return []
     if group is VARIABLES:  # a name bound at the line, as the bug itself draws them
         group = tuple(bound_names(task.original, bug.line))
     choices = [w for w in group if w != good[pos] and (len(good) != len(bad) or w != bad[pos])]
     rng.shuffle(choices)
     visible = [t for t in task.tests if not t.hidden]
+    out = []
     for w in choices:
         lines = list(task.original)
         lines[bug.line] = good[:pos] + (w,) + good[pos + 1 :]
         ev = evaluate(lines, visible, task.config.step_budget)
         if not ev.all_pass:
-            return lines[bug.line]
-    return None
+            out.append(lines[bug.line])
+            if len(out) == n:
+                break
+    return out
 
 
 def _slip(rng: random.Random, bug: Bug) -> tuple[str, ...]:
@@ -126,13 +132,15 @@ def _at_cursor(call: tuple[str, ...], cursor: int) -> tuple[str, ...]:
     return call
 
 
-def expert_plan(task: Task, *, detour_prob: float = 0.0, seed: int = 0) -> list[tuple[str, ...]]:
+def expert_plan(
+    task: Task, *, detour_prob: float = 0.0, seed: int = 0, max_guesses: int = 1
+) -> list[tuple[str, ...]]:
     """The expert's tool calls (as word tuples) for ``task``; see ``expert_plan_detours``."""
-    return expert_plan_detours(task, detour_prob=detour_prob, seed=seed)[0]
+    return expert_plan_detours(task, detour_prob=detour_prob, seed=seed, max_guesses=max_guesses)[0]
 
 
 def expert_plan_detours(
-    task: Task, *, detour_prob: float = 0.0, seed: int = 0
+    task: Task, *, detour_prob: float = 0.0, seed: int = 0, max_guesses: int = 1
 ) -> tuple[list[tuple[str, ...]], frozenset[int]]:
     """The expert's tool calls (as word tuples) for ``task`` and the indices of detour calls.
 
@@ -144,12 +152,16 @@ def expert_plan_detours(
       task: the task (its ``bugs`` give locations and fixes).
       detour_prob: probability of a wrong edit (then ``run``) before each fix, in ``[0, 1]``.
       seed: randomness of the detours.
+      max_guesses: most wrong guesses in a row in a wrong-guess detour (>= 1; the number is
+        uniform in ``1 .. max_guesses``, fewer when the bug admits fewer).
 
     Raises:
-      ValueError: if ``detour_prob`` is outside ``[0, 1]``.
+      ValueError: if ``detour_prob`` is outside ``[0, 1]`` or ``max_guesses`` < 1.
     """
     if not 0.0 <= detour_prob <= 1.0:
         raise ValueError(f"detour_prob={detour_prob} must be in [0, 1]")
+    if max_guesses < 1:
+        raise ValueError(f"max_guesses={max_guesses} must be >= 1")
     rng = random.Random(f"expert-{task.seed}-{task.difficulty}-{seed}")
     spans = function_spans(task.lines)
     state = RepairState(task=task, lines=list(task.lines))
@@ -176,11 +188,13 @@ def expert_plan_detours(
                 act(("view", fn))
         fix = bug.fix
         if detour_prob > 0 and rng.random() < detour_prob:
-            guess = _wrong_guess(rng, task, bug) if rng.random() < 0.5 else None
-            wrong = _wrong_line(rng, bug) if guess is None and rng.random() < 0.5 else None
-            if guess is not None:
-                act(repair_call(bug.line, guess, state.lines[bug.line]), detour=True)
-                act(("run",))
+            n = rng.randint(1, max_guesses) if max_guesses > 1 else 1
+            guesses = _wrong_guesses(rng, task, bug, n) if rng.random() < 0.5 else []
+            wrong = _wrong_line(rng, bug) if not guesses and rng.random() < 0.5 else None
+            if guesses:
+                for guess in guesses:
+                    act(repair_call(bug.line, guess, state.lines[bug.line]), detour=True)
+                    act(("run",))
                 fix = repair_call(bug.line, bug.original, guess)
             elif wrong is not None:
                 act(("edit", f"L{bug.line}", *wrong), detour=True)
@@ -200,7 +214,7 @@ class ExpertPolicy:
     Args:
       task: the task to solve.
       tokenizer: shared tokenizer.
-      detour_prob, seed: see ``expert_plan``.
+      detour_prob, seed, max_guesses: see ``expert_plan_detours``.
     """
 
     def __init__(
@@ -210,9 +224,12 @@ class ExpertPolicy:
         *,
         detour_prob: float = 0.0,
         seed: int = 0,
+        max_guesses: int = 1,
     ):
         self.tokenizer = tokenizer or CodeTokenizer()
-        self.plan, detours = expert_plan_detours(task, detour_prob=detour_prob, seed=seed)
+        self.plan, detours = expert_plan_detours(
+            task, detour_prob=detour_prob, seed=seed, max_guesses=max_guesses
+        )
         self.detour_turns = frozenset(k + 1 for k in detours)  # 1-based turn numbers
         self.turn = 0
 
