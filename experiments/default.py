@@ -55,9 +55,10 @@ def get_config(arg=None):
     sft.warmup_steps = 40
     sft.lm_weight = 0.5  # LM loss on program/observation tokens: copy skill, code prior
     # Before a fix: a wrong guess at the bug's word, a wrong edit of another word, or a rejected
-    # call, then the fix (no loss on the mistake). sft.max_guesses=3 (up to 3 guesses in a row;
-    # session 10): SFT 75.0% / 71.1%, RL 72.7% / 70.3% (-2.3 / -0.8); left at 1. The wrong guesses (session 8) let RL learn a
+    # call, then the fix (no loss on the mistake). The wrong guesses (session 8) let RL learn a
     # search: after them, greedy dropped-operator repairs went 6/14 -> 13/14 held-out in RL.
+    # sft.max_guesses=3 (up to 3 guesses in a row; session 10): SFT 75.0% / 71.1%, RL 72.7% /
+    # 70.3% (-2.3 / -0.8); left at 1.
     sft.detour_prob = 0.3
     sft.difficulties = (1,)  # medium
     # First 78% of steps: demonstrations cropped to the 96 tokens ending with the fix (the run
