@@ -101,8 +101,6 @@ class MakeDemo(grain.transforms.Map):
     def __init__(self, detour_prob: float = 0.0, detour_seed: int = 0, max_guesses: int = 1):
         if not 0.0 <= detour_prob <= 1.0:
             raise ValueError(f"detour_prob={detour_prob} must be in [0, 1]")
-        if max_guesses < 1:
-            raise ValueError(f"max_guesses={max_guesses} must be >= 1")
         self.detour_prob = detour_prob
         self.detour_seed = detour_seed
         self.max_guesses = max_guesses

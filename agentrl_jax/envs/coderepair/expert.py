@@ -188,6 +188,7 @@ def expert_plan_detours(
                 act(("view", fn))
         fix = bug.fix
         if detour_prob > 0 and rng.random() < detour_prob:
+            # no draw at max_guesses=1: the default demonstrations keep their random stream
             n = rng.randint(1, max_guesses) if max_guesses > 1 else 1
             guesses = _wrong_guesses(rng, task, bug, n) if rng.random() < 0.5 else []
             wrong = _wrong_line(rng, bug) if not guesses and rng.random() < 0.5 else None
