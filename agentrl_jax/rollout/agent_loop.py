@@ -397,8 +397,8 @@ def run_episodes(
                 sl = slots[s]
                 stream = sl.rec.tokens + sl.turn_toks
                 toks[s, : n_new[s]] = stream[sl.cached :]
-            if split is None:
-                state, routes = sampler.prefill(params, state, toks, n_new)
+            if split is None:  # only the slots with new tokens are computed
+                state, routes = sampler.prefill_slots(params, state, toks, n_new)
             else:
                 cached = np.asarray([0 if sl is None else sl.cached for sl in slots])
                 state, routes, moved = split.prefill(state, toks, n_new, cached)

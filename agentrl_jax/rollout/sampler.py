@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache
 
@@ -244,6 +245,7 @@ class Sampler:
         self.kernel_decode = cfg.decode_kernel and not model.policy.parity
         self.decode_model = Transformer(mcfg, model.policy, decode_kernel=True)
         self.prefill = jax.jit(self._prefill, donate_argnums=1)
+        self.prefill_rows_of = jax.jit(self._prefill_rows_of, donate_argnums=1)
         self.decode = jax.jit(self._decode, donate_argnums=1)
 
     # State ----------------------------------------------------------------------------------
@@ -367,6 +369,86 @@ class Sampler:
         if routes is not None:
             routes = routes[:, :tp]
         return state._replace(cache=cache, logits=last), routes
+
+    def _per_slot(self, layer_name: str, key: str) -> bool:
+        """Whether cache array ``layers[layer_name][key]`` has one entry per slot (axis 1):
+        S rings and the attention-mass accumulators; F/D pages are a pool shared by all slots."""
+        return key == "mass" or self.model.cfg.layer_pattern[int(layer_name[6:])] == "S"
+
+    def _prefill_rows_of(self, params, state: DecodeState, rows, tokens, n_new):
+        """:meth:`_prefill` of the slots ``rows`` only: the others are not computed at all.
+
+        rows int32 [R] distinct slot ids; tokens int32 [R, Tp] and n_new int32 [R] in the order
+        of ``rows`` (n_new 0 leaves that slot untouched, so padding rows are harmless). The R
+        slots' per-slot state (lengths, block tables, rings, logits, eviction positions) is
+        gathered, prefilled as a batch of R against the shared page pool, and scattered back.
+        Returns (new state, routes int32 [R, Tp, L_moe, k] in the order of ``rows``, or None).
+        """
+        cache = state.cache
+        if set(cache) != {"layers", "lengths", "block_tables"}:
+            raise ValueError(f"unexpected cache entries {sorted(cache)}")
+        take = lambda name, key, a: a[:, rows] if self._per_slot(name, key) else a
+        sub = DecodeState(
+            cache={
+                "layers": {
+                    name: {key: take(name, key, a) for key, a in layer.items()}
+                    for name, layer in cache["layers"].items()
+                },
+                "lengths": cache["lengths"][rows],
+                "block_tables": cache["block_tables"][rows],
+            },
+            logits=state.logits[rows],
+            evict_at=state.evict_at[rows],
+            int8_at=state.int8_at[rows],
+        )
+        sub, routes = self._prefill(params, sub, tokens, n_new)
+        put = lambda name, key, a, b: a.at[:, rows].set(b) if self._per_slot(name, key) else b
+        layers = {
+            name: {
+                key: put(name, key, a, sub.cache["layers"][name][key]) for key, a in layer.items()
+            }
+            for name, layer in cache["layers"].items()
+        }
+        new_cache = {
+            "layers": layers,
+            "lengths": cache["lengths"].at[rows].set(sub.cache["lengths"]),
+            "block_tables": cache["block_tables"],
+        }
+        return state._replace(cache=new_cache, logits=state.logits.at[rows].set(sub.logits)), routes
+
+    def prefill_slots(self, params, state: DecodeState, tokens, n_new):
+        """Prefill of the slots with ``n_new > 0`` only (tokens int32 [B, Tp], n_new int32 [B]).
+
+        :meth:`prefill` runs every slot's rows, new tokens or not: in an agent loop most calls
+        carry one or a few slots' tool outputs, so most of its work is discarded. Here the slots
+        with new tokens are padded with idle ones to R in {1, 4, 16, ...} (capped at B, few
+        compiles) and run through :meth:`prefill_rows_of`. The values equal :meth:`prefill`'s up
+        to fp32 rounding: XLA picks matmul kernels by row count (measured on CPU: a 1-slot
+        prefill's K projection differs from the 6-slot one in the last bit), so under a parity
+        policy, whose bits must match the trainer's recompute at the rollout's batch size, this
+        is :meth:`prefill`. Returns (new state, routes [B, Tp, L_moe, k] numpy with the rows of
+        untouched slots zero, or None).
+        """
+        n_new = np.asarray(n_new, np.int32)
+        b = n_new.shape[0]
+        busy = np.flatnonzero(n_new > 0)
+        r = 1
+        while r < len(busy):
+            r *= 4
+        r = min(r, b)
+        if r == b or self.model.policy.parity:
+            state, routes = self.prefill(params, state, tokens, n_new)
+            return state, None if routes is None else np.asarray(routes)
+        idle = np.setdiff1d(np.arange(b), busy)[: r - len(busy)]
+        rows = np.concatenate([busy, idle]).astype(np.int32)
+        state, sub_routes = self.prefill_rows_of(
+            params, state, rows, np.asarray(tokens)[rows], n_new[rows]
+        )
+        if sub_routes is None:
+            return state, None
+        routes = np.zeros((b, *sub_routes.shape[1:]), np.int32)
+        routes[rows] = np.asarray(sub_routes)
+        return state, routes
 
     def prefill_width(self, n_max: int) -> int:
         """Token-array width for a prefill of at most ``n_max`` new tokens per slot.
