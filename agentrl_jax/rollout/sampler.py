@@ -17,6 +17,10 @@ buffers. Tokens and logprobs equal the chunk path's up to fp32 reduction order (
 the state tracks attention mass for KV eviction (``init_state(track_mass=True)``) decode uses
 the chunk path (the kernel returns no probabilities). Parity policies always use the chunk path.
 
+Prefill of a few slots: the agent loop calls :meth:`Sampler.prefill_slots`, which computes only
+the slots with new tokens (a tool output usually arrives for one or a few of them) instead of
+every slot's rows; under parity policies it is the all-slot prefill (its docstring says why).
+
 Prefill chunks are aligned to multiples of ``Cp`` in absolute position (the first chunk of a
 call may be partial): a chunk never straddles a multiple of ``Cp``, which is where recorded KV
 eviction / int8 quantisation takes effect (see ``kv_cache.py``), so training replays the same
