@@ -78,7 +78,8 @@ class RolloutStats:
     """Counters of one ``run_episodes`` call (also attached to the trajectory's logs)."""
 
     prefill_calls: int = 0
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # computed; plus shared_prefill_tokens copied from a twin slot
+    shared_prefill_tokens: int = 0
     decode_calls: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
@@ -89,6 +90,23 @@ class RolloutStats:
     kv_moved_bytes: int = 0
     prefill_devices: set = dataclasses.field(default_factory=set)  # ids holding prefill outputs
     decode_devices: set = dataclasses.field(default_factory=set)
+
+
+def _twins(slots: list, n_new: np.ndarray) -> dict[int, int]:
+    """``{slot: earlier slot}`` for slots with new tokens whose whole token stream and cached
+    length equal an earlier such slot's: their caches would be computed from the same tokens
+    (the episodes of a group start from one prompt, and often read the same first tool
+    output)."""
+    first: dict[tuple, int] = {}
+    twins = {}
+    for s in np.flatnonzero(n_new):
+        sl = slots[s]
+        key = (sl.cached, *sl.rec.tokens, -1, *sl.turn_toks)
+        if key in first:
+            twins[int(s)] = first[key]
+        else:
+            first[key] = int(s)
+    return twins
 
 
 def run_episodes(
@@ -397,8 +415,19 @@ def run_episodes(
                 sl = slots[s]
                 stream = sl.rec.tokens + sl.turn_toks
                 toks[s, : n_new[s]] = stream[sl.cached :]
+            # Slots with the same tokens (cached and new) as an earlier one are copied from it
+            # (not with eviction, whose per-slot decisions this would bypass).
+            twins = {} if split is not None or evicting else _twins(slots, n_new)
+            run_new = n_new.copy()
+            run_new[list(twins)] = 0
+            stats.prefill_tokens += int(run_new.sum())
+            stats.shared_prefill_tokens += int(n_new.sum() - run_new.sum())
             if split is None:  # only the slots with new tokens are computed
-                state, routes = sampler.prefill_slots(params, state, toks, n_new)
+                state, routes = sampler.prefill_slots(params, state, toks, run_new)
+                if twins:
+                    state = sampler.copy_slots(state, list(twins.values()), list(twins))
+                    if routes is not None:
+                        routes[list(twins)] = routes[list(twins.values())]
             else:
                 cached = np.asarray([0 if sl is None else sl.cached for sl in slots])
                 state, routes, moved = split.prefill(state, toks, n_new, cached)
@@ -420,7 +449,6 @@ def run_episodes(
                 sl.cached += int(n_new[s])
                 sl.generating = True
             stats.prefill_calls += 1
-            stats.prefill_tokens += int(n_new.sum())
 
         # 3. decode -----------------------------------------------------------------------
         active = np.asarray([sl is not None and sl.generating for sl in slots])

@@ -250,6 +250,7 @@ class Sampler:
         self.decode_model = Transformer(mcfg, model.policy, decode_kernel=True)
         self.prefill = jax.jit(self._prefill, donate_argnums=1)
         self.prefill_rows_of = jax.jit(self._prefill_rows_of, donate_argnums=1)
+        self._copy = jax.jit(self._copy_slots, donate_argnums=0)
         self.decode = jax.jit(self._decode, donate_argnums=1)
 
     # State ----------------------------------------------------------------------------------
@@ -442,7 +443,7 @@ class Sampler:
         r = min(r, b)
         if r == b or self.model.policy.parity:
             state, routes = self.prefill(params, state, tokens, n_new)
-            return state, None if routes is None else np.asarray(routes)
+            return state, None if routes is None else np.array(routes)  # writable
         idle = np.setdiff1d(np.arange(b), busy)[: r - len(busy)]
         rows = np.concatenate([busy, idle]).astype(np.int32)
         state, sub_routes = self.prefill_rows_of(
@@ -453,6 +454,58 @@ class Sampler:
         routes = np.zeros((b, *sub_routes.shape[1:]), np.int32)
         routes[rows] = np.asarray(sub_routes)
         return state, routes
+
+    def _copy_slots(self, state: DecodeState, src, dst) -> DecodeState:
+        """Slot ``dst[i]`` becomes a copy of slot ``src[i]``: its pages' K/V (through both block
+        tables: the pages are copied, not shared), rings, attention mass, length, logits and
+        eviction positions. src, dst int32 [M]; no dst may be a src (a pair with
+        src == dst is a no-op, for padding)."""
+        cache = state.cache
+        tables = cache["block_tables"]
+        pools = [
+            a
+            for name, layer in cache["layers"].items()
+            for key, a in layer.items()
+            if not self._per_slot(name, key)
+        ]
+        n_pages = pools[0].shape[1] if pools else 0  # F/D pools: [G, P, L, K, H]
+        src_pages = jnp.maximum(tables[src], 0).reshape(-1)
+        dst_pages = jnp.where(tables[dst] >= 0, tables[dst], n_pages).reshape(-1)  # -1: dropped
+
+        def copy(name, key, a):
+            if self._per_slot(name, key):
+                return a.at[:, dst].set(a[:, src])
+            return a.at[:, dst_pages].set(a[:, src_pages], mode="drop")
+
+        layers = {
+            name: {key: copy(name, key, a) for key, a in layer.items()}
+            for name, layer in cache["layers"].items()
+        }
+        lengths = cache["lengths"].at[dst].set(cache["lengths"][src])
+        return DecodeState(
+            cache={**cache, "layers": layers, "lengths": lengths},
+            logits=state.logits.at[dst].set(state.logits[src]),
+            evict_at=state.evict_at.at[dst].set(state.evict_at[src]),
+            int8_at=state.int8_at.at[dst].set(state.int8_at[src]),
+        )
+
+    def copy_slots(self, state: DecodeState, src, dst) -> DecodeState:
+        """Makes slot ``dst[i]`` a copy of slot ``src[i]`` (no dst may also be a src).
+
+        For slots whose token streams are equal (a GRPO group's prompt, and the same tool
+        output after the same actions): prefill one, copy the rest. The pairs are padded to
+        M in {1, 4, 16, ...} with no-op pairs (few compiles).
+        """
+        src, dst = np.asarray(src, np.int32), np.asarray(dst, np.int32)
+        if src.shape != dst.shape or src.ndim != 1 or not len(src):
+            raise ValueError(f"src {src.shape} and dst {dst.shape} must be equal non-empty [M]")
+        if np.intersect1d(src, dst).size or len(set(dst.tolist())) != len(dst):
+            raise ValueError(f"dst {dst.tolist()} must be distinct and disjoint from src")
+        m = 1
+        while m < len(src):
+            m *= 4
+        pad = np.full(m - len(src), src[0], np.int32)
+        return self._copy(state, np.concatenate([src, pad]), np.concatenate([dst, pad]))
 
     def prefill_width(self, n_max: int) -> int:
         """Token-array width for a prefill of at most ``n_max`` new tokens per slot.

@@ -86,7 +86,8 @@ def test_logs_and_jsonl(played, tmp_path):
     env_tok = traj.valid & ~traj.action_mask
     last_turn = traj.turn_ids == traj.turn_ids.max(axis=1, keepdims=True)
     # the final observation (after the last model turn) is never prefilled: nothing follows it
-    assert stats.prefill_tokens == int(env_tok.sum()) - int((env_tok & last_turn).sum())
+    prefilled = stats.prefill_tokens + stats.shared_prefill_tokens
+    assert prefilled == int(env_tok.sum()) - int((env_tok & last_turn).sum())
     assert stats.decode_tokens == int(traj.action_mask.sum())
     # trajectories cross jax transformations without their host-side logs
     leaves = jax.tree.leaves(traj)
@@ -120,6 +121,24 @@ def test_lockstep_and_paging_reproduce_tokens(played, fp32_model, tokenizer):
     np.testing.assert_array_equal(tight.tokens, ref.tokens)
     np.testing.assert_array_equal(tight.rollout_logprobs, ref.rollout_logprobs)
     np.testing.assert_array_equal(tight.routes, ref.routes)
+
+
+def test_twin_slots_are_copied_bitwise(fp32_model, tokenizer):
+    """A group's episodes share a prompt: one slot is prefilled, the others copied from it.
+    The copies keep fp32 parity with the trainer, in own pages and in a shared pool."""
+    model, params = fp32_model
+    tasks = [4, 4, 4, 9, 9]
+    traj, envs, stats = play(model, params, tokenizer, tasks=tasks)
+    assert stats.shared_prefill_tokens >= 2 * len(ScriptedEnv(tokenizer).reset(4))
+    lp, routes = trainer_logprobs(model, params, traj, sampling_cfg=SAMPLING, n_slots=N_SLOTS)
+    act = traj.action_mask
+    np.testing.assert_array_equal(lp[act], traj.rollout_logprobs[act])
+    np.testing.assert_array_equal(routes[act], traj.routes[act])
+    assert len({tuple(traj.tokens[b][act[b]]) for b in range(3)}) > 1  # the twins diverged
+    pooled, _, pstats = play(model, params, tokenizer, tasks=tasks, n_pages=N_PAGES)
+    assert pstats.shared_prefill_tokens > 0
+    np.testing.assert_array_equal(pooled.tokens, traj.tokens)
+    np.testing.assert_array_equal(pooled.rollout_logprobs, traj.rollout_logprobs)
 
 
 def test_parity_bf16_bitwise(bf16_model, tokenizer):

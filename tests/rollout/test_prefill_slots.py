@@ -85,3 +85,31 @@ def test_prefill_slots_is_bitwise_under_parity(fp32_model, policy):
     (want, _), (got, _) = _both(sampler, params, base, toks, n_new)
     for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("n_pages", [None, 120])
+def test_copy_slots_equals_prefilling_the_same_tokens(fp32_model, n_pages):
+    """Two slots holding one history: copying one onto the other equals prefilling both."""
+    params = fp32_model[1]
+    sampler = get_sampler(fp32_model[0], SAMPLING)  # fp32-parity: all-slot prefill, exact
+    rng = np.random.default_rng(5)
+    base = _state_with_history(sampler, params, rng, n_pages)
+    toks = rng.integers(20, 400, size=(B, 128)).astype(np.int32)
+    toks[4] = toks[1]
+    copy = lambda s: jax.tree.map(jnp.copy, s)
+    # slots 1 and 4 start from the same history, then get the same new tokens
+    hist = rng.integers(20, 400, size=(B, 64)).astype(np.int32)
+    hist[4] = hist[1]
+    n0 = np.asarray([0, 21, 0, 0, 21, 0], np.int32)
+    start = sampler.reset_slots(copy(base), n0 > 0)
+    start, _ = sampler.prefill(params, start, hist, n0)
+    n_new = np.asarray([3, 17, 0, 0, 17, 8], np.int32)
+    want, _ = sampler.prefill(params, copy(start), toks, n_new)
+    only = n_new.copy()
+    only[4] = 0
+    got, _ = sampler.prefill(params, copy(start), toks, only)
+    got = sampler.copy_slots(got, [1], [4])
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(ValueError, match="disjoint"):
+        sampler.copy_slots(got, [1, 4], [4, 2])
