@@ -5,7 +5,8 @@
 returns a flat dict:
 
   * ``success``: fraction of episodes solved (all tests, hidden included, pass at submit and the
-    rule is kept);
+    rule is kept); ``success_stderr``: its binomial standard error sqrt(p (1 - p) / n);
+    ``episode_success``: 0/1 per episode in task order (for paired comparisons, ``paired_gain``);
   * ``goal_adherence``: fraction of episodes whose rule (constraint) held at the end;
   * ``mean_turns``, ``mean_tokens``: model turns and total tokens per episode;
   * ``truncated``: fraction stopped by the turn / token cap before the environment ended them;
@@ -17,6 +18,9 @@ returns a flat dict:
 ``data.TaskPipeline`` over ``split`` (bug types balanced round-robin). ``run_from_cli`` backs
 ``agentrl eval <run_dir or checkpoint> [--split heldout] [--difficulty 1] [--episodes N]`` and
 prints one JSON object with a ``greedy`` and a ``sampled`` section.
+
+``paired_gain(before, after)`` compares two results on the same tasks (e.g. before and after RL):
+the success difference, its paired standard error, and how many tasks each side alone solved.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ EVAL_SPLITS = ("train", "heldout", "heldout_combo")
 MODES = ("greedy", "sampled")
 RESULT_KEYS = (
     "success",
+    "success_stderr",
+    "episode_success",
     "goal_adherence",
     "mean_turns",
     "mean_tokens",
@@ -132,6 +138,8 @@ def summarize(traj, tasks: Sequence[Any], *, greedy: bool) -> dict[str, Any]:
             per_type.setdefault(t, []).append(ok)
     return {
         "success": float(success.mean()),
+        "success_stderr": float(np.sqrt(success.mean() * (1 - success.mean()) / len(success))),
+        "episode_success": success.astype(int).tolist(),
         "goal_adherence": float(np.asarray(traj.goal_adhered, bool).mean()),
         "mean_turns": float(turns.mean()),
         "mean_tokens": float(valid.sum(axis=1).mean()),
@@ -140,6 +148,47 @@ def summarize(traj, tasks: Sequence[Any], *, greedy: bool) -> dict[str, Any]:
         "per_bug_type_n": {t: len(v) for t, v in sorted(per_type.items())},
         "n_episodes": len(tasks),
         "greedy": bool(greedy),
+    }
+
+
+def paired_gain(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Success of ``after`` minus ``before`` on the same tasks, with its paired standard error.
+
+    With per-task differences d_i = a_i - b_i in {-1, 0, 1} over n tasks, ``fixed`` = #(d_i = 1)
+    (solved only after), ``broken`` = #(d_i = -1):
+
+      delta = (fixed - broken) / n
+      stderr = sqrt(s^2 / n),  s^2 = (fixed + broken - n delta^2) / (n - 1)
+
+    (the sample variance of d; 0 when n = 1). Pairing removes the variance of task difficulty
+    that two independent binomial errors would count twice.
+
+    Args:
+      before, after: result dicts of ``evaluate`` (need ``episode_success``) on the same tasks.
+
+    Returns:
+      ``{"delta", "stderr", "fixed", "broken", "n"}``.
+
+    Raises:
+      ValueError: a result without ``episode_success``, or different episode counts.
+    """
+    for name, res in (("before", before), ("after", after)):
+        if "episode_success" not in res:
+            raise ValueError(f"{name} has no episode_success (a result of an older evaluate?)")
+    b = np.asarray(before["episode_success"], int)
+    a = np.asarray(after["episode_success"], int)
+    if b.shape != a.shape or b.ndim != 1 or not len(b):
+        raise ValueError(f"before and after must cover the same tasks: {len(b)} vs {len(a)}")
+    n = len(b)
+    fixed, broken = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
+    delta = (fixed - broken) / n
+    var = (fixed + broken - n * delta**2) / (n - 1) if n > 1 else 0.0
+    return {
+        "delta": delta,
+        "stderr": float(np.sqrt(max(var, 0.0) / n)),
+        "fixed": fixed,
+        "broken": broken,
+        "n": n,
     }
 
 
@@ -293,6 +342,7 @@ __all__ = [
     "eval_tasks",
     "evaluate",
     "evaluate_split",
+    "paired_gain",
     "run_from_cli",
     "summarize",
 ]

@@ -4,7 +4,9 @@ one jitted update -> periodic held-out evaluation -> orbax checkpoints.
 ``agentrl train experiments/default.py`` (``make train``) runs :func:`run` and ends with one JSON
 summary line (``heldout_success_before_rl``, ``heldout_success_after_rl`` (greedy),
 ``heldout_sampled_success_before_rl``, ``heldout_sampled_success_after_rl``,
-``goal_adherence_after_rl``, ``entropy_start``, ``entropy_end``, ``nonfinite_steps``, ``wall_s``,
+``goal_adherence_after_rl``, ``heldout_gain`` (per mode: the paired difference after - before on
+the same held-out tasks with its standard error and the tasks RL fixed / broke, see
+``evaluate.paired_gain``), ``entropy_start``, ``entropy_end``, ``nonfinite_steps``, ``wall_s``,
 ``run_dir``). ``agentrl train SPEC --resume RUN_DIR`` continues a run from its latest RL
 checkpoint: params, optimiser state, PRNG key, step, the task pipeline's iterator and
 difficulty estimates, and the precision-fallback state are all restored, so the resumed run
@@ -499,6 +501,7 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
         .get("sampled", {})
         .get("success"),
         "heldout_sampled_success_after_rl": after.get("sampled", {}).get("success"),
+        "heldout_gain": _gains(prior.get("eval_before"), after),
         "entropy_start": finite[0] if finite else None,
         "entropy_end": finite[-1] if finite else None,
         "nonfinite_steps": int(rl.state.nonfinite_count),
@@ -510,6 +513,21 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
     _dump(summary_path, prior)
     rl.ckpt.close()
     return summary
+
+
+def _gains(before: dict | None, after: dict) -> dict[str, Any] | None:
+    """``{mode: paired_gain}`` for each mode evaluated before and after (None without a before
+    evaluation; a mode whose before result predates ``episode_success`` is left out)."""
+    from agentrl_jax.train.evaluate import paired_gain
+
+    if not before:
+        return None
+    return {
+        mode: {k: round(v, 4) if isinstance(v, float) else v for k, v in
+               paired_gain(before[mode], after[mode]).items()}  # fmt: skip
+        for mode in after
+        if isinstance(after[mode], dict) and "episode_success" in before.get(mode, {})
+    }
 
 
 def _dump(path: str, obj: dict) -> None:

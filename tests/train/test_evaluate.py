@@ -20,6 +20,7 @@ from agentrl_jax.train.evaluate import (
     EvalConfig,
     eval_tasks,
     evaluate,
+    paired_gain,
     run_from_cli,
     summarize,
 )
@@ -51,6 +52,29 @@ def test_summarize_hand_counts():
     assert out["mean_turns"] == 2.5  # max turn ids 4, 2, 3, 1
     assert out["per_bug_type"] == {"logic": 2 / 3, "off_by_one": 1.0, "syntax": 0.0}
     assert out["per_bug_type_n"] == {"logic": 3, "off_by_one": 1, "syntax": 1}
+    assert out["episode_success"] == [1, 0, 1, 1]
+    assert out["success_stderr"] == pytest.approx(np.sqrt(0.75 * 0.25 / 4))
+
+
+def test_paired_gain_hand_values():
+    before = {"episode_success": [1, 1, 0, 0, 1, 0, 1, 0]}
+    after = {"episode_success": [1, 0, 1, 1, 1, 1, 1, 0]}
+    out = paired_gain(before, after)
+    # d = [0, -1, 1, 1, 0, 1, 0, 0]: fixed 3, broken 1, delta 2/8; sample variance of d:
+    # (sum d^2 - n mean^2) / (n - 1) = (4 - 8 / 16) / 7 = 0.5; stderr sqrt(0.5 / 8) = 0.25
+    assert out == {"delta": 0.25, "stderr": pytest.approx(0.25), "fixed": 3, "broken": 1, "n": 8}
+    same = paired_gain(before, before)
+    assert same["delta"] == 0.0 and same["stderr"] == 0.0 and same["fixed"] == same["broken"] == 0
+    rng = np.random.default_rng(0)
+    b, a = rng.integers(0, 2, 50), rng.integers(0, 2, 50)
+    d = a - b
+    ref = paired_gain({"episode_success": b.tolist()}, {"episode_success": a.tolist()})
+    assert ref["delta"] == pytest.approx(d.mean())
+    assert ref["stderr"] == pytest.approx(d.std(ddof=1) / np.sqrt(50))
+    with pytest.raises(ValueError, match="same tasks"):
+        paired_gain(before, {"episode_success": [1, 0]})
+    with pytest.raises(ValueError, match="episode_success"):
+        paired_gain({"success": 0.5}, after)
 
 
 def test_eval_tasks_deterministic_and_split():

@@ -34,6 +34,10 @@ def test_main_job_smoke(tmp_path):
         assert key in summary, key
     run_dir = summary["run_dir"]
     assert summary["nonfinite_steps"] == 0
+    gain = summary["heldout_gain"]["greedy"]  # paired over the same held-out tasks
+    delta = summary["heldout_success_after_rl"] - summary["heldout_success_before_rl"]
+    assert gain["delta"] == pytest.approx(delta, abs=1e-4) and gain["stderr"] >= 0
+    assert gain["n"] == cfg.eval.n_episodes and gain["fixed"] + gain["broken"] <= gain["n"]
     assert np.isfinite(summary["entropy_start"]) and np.isfinite(summary["entropy_end"])
     lines = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
     keys = set().union(*lines)
