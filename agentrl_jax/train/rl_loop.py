@@ -523,8 +523,10 @@ def _gains(before: dict | None, after: dict) -> dict[str, Any] | None:
     if not before:
         return None
     return {
-        mode: {k: round(v, 4) if isinstance(v, float) else v for k, v in
-               paired_gain(before[mode], after[mode]).items()}  # fmt: skip
+        mode: {
+            k: round(v, 4) if isinstance(v, float) else v
+            for k, v in paired_gain(before[mode], after[mode]).items()
+        }  # fmt: skip
         for mode in after
         if isinstance(after[mode], dict) and "episode_success" in before.get(mode, {})
     }
