@@ -526,7 +526,7 @@ def _gains(before: dict | None, after: dict) -> dict[str, Any] | None:
         mode: {
             k: round(v, 4) if isinstance(v, float) else v
             for k, v in paired_gain(before[mode], after[mode]).items()
-        }  # fmt: skip
+        }
         for mode in after
         if isinstance(after[mode], dict) and "episode_success" in before.get(mode, {})
     }
