@@ -132,13 +132,14 @@ def summarize(traj, tasks: Sequence[Any], *, greedy: bool) -> dict[str, Any]:
     success = np.asarray(traj.success, bool)
     valid = np.asarray(traj.valid, bool)
     turns = np.asarray(traj.turn_ids).max(axis=1)
+    p = float(success.mean())
     per_type: dict[str, list[bool]] = {}
     for ok, task in zip(success.tolist(), tasks, strict=True):
         for t in sorted(set(task.bug_types)):
             per_type.setdefault(t, []).append(ok)
     return {
-        "success": float(success.mean()),
-        "success_stderr": float(np.sqrt(success.mean() * (1 - success.mean()) / len(success))),
+        "success": p,
+        "success_stderr": float(np.sqrt(p * (1 - p) / len(success))),
         "episode_success": success.astype(int).tolist(),
         "goal_adherence": float(np.asarray(traj.goal_adhered, bool).mean()),
         "mean_turns": float(turns.mean()),
@@ -158,10 +159,10 @@ def paired_gain(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
     (solved only after), ``broken`` = #(d_i = -1):
 
       delta = (fixed - broken) / n
-      stderr = sqrt(s^2 / n),  s^2 = (fixed + broken - n delta^2) / (n - 1)
+      stderr = sqrt(s^2 / n),  s^2 = (fixed + broken - (fixed - broken)^2 / n) / (n - 1)
 
-    (the sample variance of d; 0 when n = 1). Pairing removes the variance of task difficulty
-    that two independent binomial errors would count twice.
+    (the sample variance of d, never negative; 0 when n = 1). Pairing removes the variance of
+    task difficulty that two independent binomial errors would count twice.
 
     Args:
       before, after: result dicts of ``evaluate`` (need ``episode_success``) on the same tasks.
@@ -182,10 +183,10 @@ def paired_gain(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
     n = len(b)
     fixed, broken = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
     delta = (fixed - broken) / n
-    var = (fixed + broken - n * delta**2) / (n - 1) if n > 1 else 0.0
+    var = (fixed + broken - (fixed - broken) ** 2 / n) / (n - 1) if n > 1 else 0.0
     return {
         "delta": delta,
-        "stderr": float(np.sqrt(max(var, 0.0) / n)),
+        "stderr": float(np.sqrt(var / n)),
         "fixed": fixed,
         "broken": broken,
         "n": n,
