@@ -131,6 +131,7 @@ def run_episodes(
     log_path: str | None = None,
     stats: RolloutStats | None = None,
     disaggregate: dis.Disaggregation | None = None,
+    greedy: Sequence[bool] | None = None,
 ) -> Trajectory:
     """Plays one episode per task with the model as policy; returns the padded batch.
 
@@ -158,6 +159,9 @@ def run_episodes(
       log_path: if given, the per-turn records are appended there as JSONL.
       stats: optional counters filled in place.
       disaggregate: prefill and decode on separate device sub-meshes (module docstring).
+      greedy: per task, decode that episode greedily (argmax) although ``sampling_cfg``
+        samples (e.g. one greedy member per RL group); its logprobs are still the untempered
+        policy's. Default: none.
 
     Returns:
       The :class:`Trajectory`, padded to the longest episode rounded up to the decode chunk.
@@ -178,6 +182,9 @@ def run_episodes(
         raise ValueError(f"max_tokens={max_tokens} must be in [2, max_len={sampling_cfg.max_len}]")
     if group_ids is not None and len(group_ids) != len(tasks):
         raise ValueError(f"group_ids has {len(group_ids)} entries, tasks {len(tasks)}")
+    if greedy is not None and len(greedy) != len(tasks):
+        raise ValueError(f"greedy has {len(greedy)} entries, tasks {len(tasks)}")
+    greedy = None if greedy is None or not any(greedy) else [bool(g) for g in greedy]
     cfg = sampling_cfg
     if not cfg.stop_tokens:
         cfg = cfg.replace(stop_tokens=default_stop_tokens(tokenizer))
@@ -483,7 +490,12 @@ def run_episodes(
         state = sync(state)
         uids = np.asarray([sl.rec.uid if sl is not None else 0 for sl in slots], np.int32)
         stop_after = 1 if continuous else int(active.sum())
-        state, out = sampler.decode(params, state, rng, uids, active, budget, np.int32(stop_after))
+        rows = ()
+        if greedy is not None:
+            rows = (np.asarray([sl is not None and greedy[sl.rec.task_index] for sl in slots]),)
+        state, out = sampler.decode(
+            params, state, rng, uids, active, budget, np.int32(stop_after), *rows
+        )
         if split is not None:
             stats.decode_devices |= {d.id for d in out.tokens.sharding.device_set}
         out = jax.device_get(out)

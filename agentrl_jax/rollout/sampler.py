@@ -201,11 +201,13 @@ def token_keys(rng: jax.Array, uids: jax.Array, positions: jax.Array) -> jax.Arr
 
 
 def sample_tokens(
-    logits: jax.Array, keys: jax.Array, cfg: SamplingConfig
+    logits: jax.Array, keys: jax.Array, cfg: SamplingConfig, greedy_rows: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row. logits fp32 [B, V], keys [B] -> (int32 [B], logprob f32 [B]).
 
-    The logprob is of the untempered, unfiltered distribution (module docstring).
+    ``greedy_rows`` (bool [B], optional): rows that take the argmax even when ``cfg`` samples
+    (the other rows' tokens are unchanged). The logprob is of the untempered, unfiltered
+    distribution (module docstring).
     """
     logits = logits.astype(jnp.float32)
     if cfg.greedy:
@@ -213,6 +215,8 @@ def sample_tokens(
     else:
         x = filter_logits(logits, cfg)
         tok = jax.vmap(jax.random.categorical)(keys, x)
+        if greedy_rows is not None:
+            tok = jnp.where(greedy_rows, jnp.argmax(logits, axis=-1), tok)
     tok = tok.astype(jnp.int32)
     return tok, fixed_order_logprobs(logits, tok)
 
@@ -515,7 +519,9 @@ class Sampler:
         return max(min(128, self.cfg.max_len), 1 << max(0, int(n_max) - 1).bit_length())
 
     # Decode ---------------------------------------------------------------------------------
-    def _decode(self, params, state: DecodeState, rng, uids, active, budget, stop_after):
+    def _decode(
+        self, params, state: DecodeState, rng, uids, active, budget, stop_after, greedy_rows=None
+    ):
         """Generates for active slots until each stops, or ``stop_after`` slots stopped.
 
         Args:
@@ -524,6 +530,8 @@ class Sampler:
           rng: base PRNG key; uids int32 [B] episode ids (see module docstring).
           active: bool [B] slots that generate. budget: int32 [B] most tokens each may emit.
           stop_after: int32 scalar; return once this many active slots have finished.
+          greedy_rows: optional bool [B]: slots that decode greedily under a sampling config
+            (``sample_tokens``).
 
         Returns:
           (new state, DecodeOut).
@@ -555,7 +563,7 @@ class Sampler:
         def body(carry):
             i, st, live, count, out_tok, out_lp, out_rt = carry
             pos = st.cache["lengths"]
-            tok, lp = sample_tokens(st.logits, token_keys(rng, uids, pos), cfg)
+            tok, lp = sample_tokens(st.logits, token_keys(rng, uids, pos), cfg, greedy_rows)
             toks = jnp.zeros((b, c), jnp.int32).at[:, 0].set(tok)
             valid = jnp.zeros((b, c), bool).at[:, 0].set(live)
             cache = st.cache if kernel else _with_keep(st.cache, st)

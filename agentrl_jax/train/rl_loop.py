@@ -73,6 +73,11 @@ class LoopConfig:
       ckpt_every: RL checkpoint every N steps (and at the end).
       log_tool_calls: append every tool call of every rollout to ``tool_calls.jsonl``.
       eval_before: evaluate the SFT checkpoint on the held-out split before RL.
+      greedy_members: the last this-many rollouts of each group decode greedily (argmax, as
+        greedy evaluation does) instead of sampling; 0 = none. Greedy-only failures (e.g.
+        repeating a rejected call) then reach the gradient: a greedy member that fails where
+        its sampled siblings succeed gets a negative advantage. Its logprobs are the
+        untempered policy's, like every rollout's; must be < ``data.group_size``.
     """
 
     rl_steps: int = 40
@@ -86,9 +91,10 @@ class LoopConfig:
     ckpt_every: int = 10
     log_tool_calls: bool = True
     eval_before: bool = True
+    greedy_members: int = 0
 
     def __post_init__(self):
-        for name in ("rl_steps", "max_turns", "eval_every", "ckpt_every"):
+        for name in ("rl_steps", "max_turns", "eval_every", "ckpt_every", "greedy_members"):
             if getattr(self, name) < (1 if name in ("max_turns", "ckpt_every") else 0):
                 raise ValueError(f"LoopConfig.{name}={getattr(self, name)} is out of range")
         get_advantage(self.advantage)  # ValueError lists the registered names
@@ -172,6 +178,11 @@ class RLRun:
             lambda inputs: get_advantage(self.loop.advantage)(inputs, **self.loop.advantage_kwargs)
         )
         self.batch_size = self.data_cfg.batch_size * self.data_cfg.group_size
+        if self.loop.greedy_members >= self.data_cfg.group_size:
+            raise ValueError(
+                f"train.greedy_members={self.loop.greedy_members} must be < data.group_size="
+                f"{self.data_cfg.group_size} (a group needs a sampled member)"
+            )
         self.controller = FallbackController(
             lambda p: make_update_fn(Transformer(self.model_cfg, p), self.rl_cfg, p, self.sampling),
             self.rl_cfg,
@@ -237,6 +248,7 @@ class RLRun:
 
         g = self.data_cfg.group_size
         tasks = [it["task"] for it in items for _ in range(g)]
+        greedy = np.arange(g) >= g - self.loop.greedy_members  # per group member
         model = Transformer(self.model_cfg, self.controller.active)
         key = jax.random.fold_in(jax.random.fold_in(self.rollout_key, step), round_index)
         log_path = (
@@ -257,6 +269,7 @@ class RLRun:
             process_weights=self.loop.process_weights,
             group_ids=[i for i in range(len(items)) for _ in range(g)],
             log_path=log_path,
+            greedy=np.tile(greedy, len(items)).tolist(),
         )
         self._calls[0] += len(traj.logs)
         self._calls[1] += sum(bool(r.get("error")) for r in traj.logs)
@@ -264,6 +277,7 @@ class RLRun:
         for i in range(len(items)):
             idx = np.arange(i * g, (i + 1) * g)
             rows = _rows(traj, idx)
+            rows["greedy"] = greedy
             store.append(rows)
             groups.append(
                 {
@@ -366,6 +380,8 @@ class RLRun:
                 ),
             }
         )
+        if all_rows["greedy"].any():  # train.greedy_members > 0
+            metrics["greedy_member_success"] = float(all_rows["success"][all_rows["greedy"]].mean())
         metrics.update({k: float(v) for k, v in memory_metrics().items() if v is not None})
         return metrics
 

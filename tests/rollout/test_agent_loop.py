@@ -141,6 +141,23 @@ def test_twin_slots_are_copied_bitwise(fp32_model, tokenizer):
     np.testing.assert_array_equal(pooled.rollout_logprobs, traj.rollout_logprobs)
 
 
+def test_greedy_members(played, fp32_model, tokenizer):
+    """Episodes marked greedy decode as a greedy run does; the sampled ones are unchanged."""
+    model, params = fp32_model
+    ref, _, _ = played
+    greedy = [False, True, False, False, True]
+    mixed, _, _ = play(model, params, tokenizer, greedy=greedy)
+    argmax, _, _ = play(model, params, tokenizer, sampling_cfg=SAMPLING.replace(greedy=True))
+    for b, g in enumerate(greedy):
+        want = argmax if g else ref
+        for name in ("tokens", "rollout_logprobs", "action_mask"):
+            got, exp = getattr(mixed, name)[b], getattr(want, name)[b]
+            np.testing.assert_array_equal(got[mixed.valid[b]], exp[want.valid[b]])
+    assert not np.array_equal(mixed.tokens[1][mixed.valid[1]], ref.tokens[1][ref.valid[1]])
+    with pytest.raises(ValueError, match="greedy has 2 entries"):
+        play(model, params, tokenizer, greedy=[True, False])
+
+
 def test_parity_bf16_bitwise(bf16_model, tokenizer):
     model, params = bf16_model
     traj, _, _ = play(model, params, tokenizer, tasks=[0, 1, 2, 3])

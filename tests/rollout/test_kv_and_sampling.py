@@ -1,5 +1,6 @@
 """Page allocator, KV accounting, sampling filters vs numpy references, KV eviction replay."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,7 +10,12 @@ from test_agent_loop import play
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rollout.kv_cache import EvictionConfig, PagePool, dense_kv_bytes, kv_bytes_per_seq
 from agentrl_jax.rollout.parity import trainer_logprobs
-from agentrl_jax.rollout.sampler import SamplingConfig, filter_logits, fixed_order_logprobs
+from agentrl_jax.rollout.sampler import (
+    SamplingConfig,
+    filter_logits,
+    fixed_order_logprobs,
+    sample_tokens,
+)
 
 
 def test_page_pool_alloc_trim_release_holes():
@@ -76,6 +82,22 @@ def test_fixed_order_logprobs_matches_reference():
     want = np.take_along_axis(ref, t[..., None], -1)[..., 0]
     got = np.asarray(fixed_order_logprobs(jnp.asarray(x), jnp.asarray(t)))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_sample_tokens_greedy_rows():
+    """Rows marked greedy take the argmax; the other rows keep the tokens they sample without
+    the mask; every logprob is the untempered one."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(6, 40)).astype(np.float32) * 2)
+    keys = jax.random.split(jax.random.key(5), 6)
+    cfg = SamplingConfig(temperature=1.3, max_len=16)
+    rows = np.array([True, False, True, False, False, True])
+    free, _ = sample_tokens(x, keys, cfg)
+    tok, lp = sample_tokens(x, keys, cfg, jnp.asarray(rows))
+    want = np.where(rows, np.argmax(np.asarray(x), -1), np.asarray(free))
+    np.testing.assert_array_equal(np.asarray(tok), want)
+    assert (np.asarray(free)[rows] != want[rows]).any()  # the mask changed something
+    np.testing.assert_array_equal(np.asarray(lp), np.asarray(fixed_order_logprobs(x, tok)))
 
 
 def test_sampling_config_validation():

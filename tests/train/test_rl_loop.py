@@ -53,7 +53,7 @@ def test_main_job_smoke(tmp_path):
     assert any(p.endswith(".png") for p in os.listdir(os.path.join(run_dir, "plots")))
 
     # RL only, from that run's SFT checkpoint (a run dir as init_from), with step-level groups
-    # (gigpo reads the loop's history state ids).
+    # (gigpo reads the loop's history state ids) and a greedy member in each group of 2.
     cfg2 = load_config(
         SMOKE,
         [
@@ -64,11 +64,14 @@ def test_main_job_smoke(tmp_path):
             "train.rl_steps=1",
             "train.advantage=gigpo",
             "train.process_weights={'rejected': 0.5, 'parse': 0.0}",
+            "train.greedy_members=1",
         ],
     )
     second = run(cfg2, progress=False)
     assert second["nonfinite_steps"] == 0 and "heldout_success_after_rl" in second
     assert second["run_dir"] != run_dir
+    lines = [json.loads(x) for x in open(os.path.join(second["run_dir"], "metrics.jsonl"))]
+    assert any(0.0 <= x.get("rl/greedy_member_success", -1) <= 1.0 for x in lines)
 
 
 def test_resume_is_bitwise(tmp_path):
@@ -110,6 +113,14 @@ def test_loop_config_validation():
     with pytest.raises(ValueError, match="tests"):
         LoopConfig(process_weights={"tests": float("nan")})
     LoopConfig(process_weights={"rejected": 2.0, "tests": 0})
+    with pytest.raises(ValueError, match="greedy_members"):
+        LoopConfig(greedy_members=-1)
+
+
+def test_greedy_members_leave_a_sampled_member(tmp_path):
+    cfg = load_config(SMOKE, ["train.sft=False", "train.greedy_members=2"])  # group_size 2
+    with pytest.raises(ValueError, match="greedy_members=2 must be < data.group_size=2"):
+        RLRun(cfg, str(tmp_path), {}, resume=False)
 
 
 def test_kl_to_reference_uses_the_start_params(tmp_path):
