@@ -73,6 +73,17 @@ def test_no_call_and_bad_ids(env):
     assert "error bad call" in obs_text(env, obs)
 
 
+def test_repeated_rejected_call(env):
+    """``repeated`` fires on a rejected call that was rejected before, and only then."""
+    env.reset(make_task(3, 1, bug_types=("logic",)))
+    steps = ["sub L0 // a", "sub L0 // b", "run", "sub L0 // a", "sub L0 // a", "sub L0 // b"]
+    got = [env.step(call(env, a))[1].process for a in steps]
+    assert [p["rejected"] for p in got] == [-1.0, -1.0, 0.0, -1.0, -1.0, -1.0]
+    assert [p["repeated"] for p in got] == [0.0, 0.0, 0.0, -1.0, -1.0, -1.0]
+    env.reset(make_task(3, 1, bug_types=("logic",)))  # a new episode forgets the old calls
+    assert env.step(call(env, "sub L0 // a"))[1].process["repeated"] == 0.0
+
+
 def _task_with(bug_type, difficulty=1):
     for seed in range(50):
         t = make_task(seed, difficulty, bug_types=(bug_type,) * difficulty_bugs(difficulty))

@@ -21,7 +21,10 @@ changed the program, relative to the program before it:
   * ``error_classes``: error classes (``syntax`` or a runtime fault kind) removed minus added;
   * ``tests``: change in the fraction of visible tests passing;
   * ``rejected``: -1 when the turn was answered by an ``error ...`` observation (no call, a bad
-    call, or a tool that refused it, e.g. a ``sub`` of a word the line does not hold).
+    call, or a tool that refused it, e.g. a ``sub`` of a word the line does not hold);
+  * ``repeated``: -1 when the turn is rejected and the same call (the same words) was already
+    rejected earlier in the episode (greedy decoding's failure mode: one refused call, again
+    and again).
 The outcome reward (final step only) is 1.0 iff every test, hidden ones included, passes at
 ``submit`` and the rule is kept. ``log["goal_adhered"]`` is set on the final step.
 """
@@ -37,7 +40,7 @@ from agentrl_jax.envs.coderepair.task import Task
 from agentrl_jax.envs.coderepair.tokenizer import CodeTokenizer
 from agentrl_jax.envs.coderepair.tools import RepairState, constraint_kept, default_registry
 
-PROCESS_KEYS = ("parse", "error_classes", "tests", "rejected")
+PROCESS_KEYS = ("parse", "error_classes", "tests", "rejected", "repeated")
 
 
 def _zero_process() -> dict[str, float]:
@@ -72,12 +75,14 @@ class CodeRepairEnv:
         self.turn = 0
         self.done = True
         self._eval: Evaluation | None = None
+        self._rejected: set[tuple[str, ...] | None] = set()
 
     def reset(self, task: Task) -> list[int]:
         """Starts ``task``; returns ``<bos> <obs> prompt </obs>`` ids."""
         self.state = RepairState(task=task, lines=list(task.lines))
         self.turn = 0
         self.done = False
+        self._rejected = set()
         self._eval = self._evaluate_visible()
         return [self.tokenizer.bos_id, *self.observation(task.prompt)]
 
@@ -141,6 +146,10 @@ class CodeRepairEnv:
                 process.update(process_signals(self._eval, after, len(st.task.visible_tests)))
                 self._eval = after
         process["rejected"] = -1.0 if log["error"] else 0.0
+        if log["error"]:
+            call = None if words is None else tuple(words)
+            process["repeated"] = -1.0 if call in self._rejected else 0.0
+            self._rejected.add(call)
         outcome = 0.0
         if st.submitted or self.turn >= cfg.max_turns:
             if not st.submitted:
