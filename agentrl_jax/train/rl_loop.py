@@ -69,7 +69,10 @@ class LoopConfig:
         Only estimators that read process rewards use them (``episode_process``, ``prm_orm``,
         ``gigpo``, the discounted ones).
       max_turns: model turns per episode.
-      eval_every: held-out evaluation every N steps (0: only before and after RL).
+      eval_every: held-out evaluation every N steps (0: only before and after RL). Every
+        evaluation writes ``eval/heldout_success``, ``..._truncated``, ``..._goal_adherence`` and
+        ``eval/heldout_bug_type/<type>`` to the metrics; the mid-run results are kept whole in
+        ``summary.json`` under ``eval_mid`` (by step), so paired gains can be computed later.
       ckpt_every: RL checkpoint every N steps (and at the end).
       log_tool_calls: append every tool call of every rollout to ``tool_calls.jsonl``.
       eval_before: evaluate the SFT checkpoint on the held-out split before RL.
@@ -431,11 +434,27 @@ def _eval(model_cfg, policy, params, eval_section) -> dict[str, Any]:
     return evaluate_split(Transformer(model_cfg, policy), params, ev)
 
 
+def _eval_metrics(result: dict) -> dict[str, float]:
+    """Metrics of an evaluation for the JSONL/TensorBoard writer (prefix ``eval``): the greedy
+    (else first) mode's success, goal adherence, truncated fraction and per-bug-type success."""
+    out = {
+        "heldout_success": _mode(result, "success"),
+        "heldout_goal_adherence": _mode(result, "goal_adherence"),
+        "heldout_truncated": _mode(result, "truncated"),
+    }
+    for bug, rate in result[_main_mode(result)].get("per_bug_type", {}).items():
+        out[f"heldout_bug_type/{bug}"] = float(rate)
+    return out
+
+
+def _main_mode(result: dict) -> str:
+    """The mode a summary reports: ``greedy`` if evaluated, else the first one."""
+    modes = [k for k in result if isinstance(result[k], dict)]
+    return "greedy" if "greedy" in modes else modes[0]
+
+
 def _mode(result: dict, key: str) -> float:
-    mode = (
-        "greedy" if "greedy" in result else next(k for k in result if isinstance(result[k], dict))
-    )
-    return float(result[mode][key])
+    return float(result[_main_mode(result)][key])
 
 
 def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None = None) -> dict:
@@ -481,7 +500,7 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
         prior["heldout_success_before_rl"] = _mode(before, "success")
         prior["goal_adherence_before_rl"] = _mode(before, "goal_adherence")
         prior["eval_before"] = before
-        writer.write(0, {"heldout_success": prior["heldout_success_before_rl"]}, prefix="eval")
+        writer.write(0, _eval_metrics(before), prefix="eval")
         _dump(summary_path, prior)
         log.info("held-out before RL: %s", json.dumps(before))
 
@@ -498,14 +517,15 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
         )
         if loop.eval_every and (step + 1) % loop.eval_every == 0 and step + 1 < loop.rl_steps:
             mid = _eval(model_cfg, policy, rl.state.params, cfg.eval)
-            writer.write(step + 1, {"heldout_success": _mode(mid, "success")}, prefix="eval")
+            writer.write(step + 1, _eval_metrics(mid), prefix="eval")
+            prior.setdefault("eval_mid", {})[str(step + 1)] = mid  # in summary.json
         if (step + 1) % loop.ckpt_every == 0 or step + 1 == loop.rl_steps:
             rl.save(step + 1)
             prior["entropies"] = entropy
             _dump(summary_path, prior)
     bar.close()
     after = _eval(model_cfg, policy, rl.state.params, cfg.eval)
-    writer.write(loop.rl_steps, {"heldout_success": _mode(after, "success")}, prefix="eval")
+    writer.write(loop.rl_steps, _eval_metrics(after), prefix="eval")
     writer.close()
     finite = [e for e in entropy if np.isfinite(e)]
     summary = {

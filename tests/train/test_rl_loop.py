@@ -19,7 +19,7 @@ SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
 
 
 def test_main_job_smoke(tmp_path):
-    cfg = load_config(SMOKE, [f"workdir={tmp_path}"])
+    cfg = load_config(SMOKE, [f"workdir={tmp_path}", "train.eval_every=1"])
     summary = run(cfg, progress=False)
     for key in (
         "heldout_success_before_rl",
@@ -42,6 +42,14 @@ def test_main_job_smoke(tmp_path):
     lines = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
     keys = set().union(*lines)
     assert any(k.startswith("sft/") for k in keys) and "rl/reward" in keys
+    evals = [x for x in lines if "eval/heldout_success" in x]
+    assert len(evals) == 3  # before, mid-run at step 1 (eval_every=1), after
+    assert all(0.0 <= x["eval/heldout_truncated"] <= 1.0 for x in evals)
+    assert any(k.startswith("eval/heldout_bug_type/") for k in evals[1])
+    saved = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert (
+        list(saved["eval_mid"]) == ["1"] and "episode_success" in saved["eval_mid"]["1"]["greedy"]
+    )
     rates = [x["rl/rejected_call_rate"] for x in lines if "rl/rejected_call_rate" in x]
     assert len(rates) == cfg.train.rl_steps and all(0.0 <= r <= 1.0 for r in rates)
     assert "rl/mismatch/max_abs_dlogp" in keys or any(k.startswith("rl/mismatch/") for k in keys)
