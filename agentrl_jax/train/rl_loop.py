@@ -76,11 +76,12 @@ class LoopConfig:
       ckpt_every: RL checkpoint every N steps (and at the end).
       log_tool_calls: append every tool call of every rollout to ``tool_calls.jsonl``.
       eval_before: evaluate the SFT checkpoint on the held-out split before RL.
-      greedy_members: the last this-many rollouts of each group decode greedily (argmax, as
-        greedy evaluation does) instead of sampling; 0 = none. Greedy-only failures (e.g.
-        repeating a rejected call) then reach the gradient: a greedy member that fails where
-        its sampled siblings succeed gets a negative advantage. Its logprobs are the
-        untempered policy's, like every rollout's; must be < ``data.group_size``.
+      greedy_member: the last rollout of each group decodes greedily (argmax, as greedy
+        evaluation does) instead of sampling. Greedy-only failures (e.g. repeating a rejected
+        call) then reach the gradient: a greedy member that fails where its sampled siblings
+        succeed gets a negative advantage. Its logprobs are the untempered policy's, like every
+        rollout's. One at most: two greedy members would play the same episode. Needs
+        ``data.group_size >= 2``.
     """
 
     rl_steps: int = 40
@@ -94,10 +95,10 @@ class LoopConfig:
     ckpt_every: int = 10
     log_tool_calls: bool = True
     eval_before: bool = True
-    greedy_members: int = 0
+    greedy_member: bool = False
 
     def __post_init__(self):
-        for name in ("rl_steps", "max_turns", "eval_every", "ckpt_every", "greedy_members"):
+        for name in ("rl_steps", "max_turns", "eval_every", "ckpt_every"):
             if getattr(self, name) < (1 if name in ("max_turns", "ckpt_every") else 0):
                 raise ValueError(f"LoopConfig.{name}={getattr(self, name)} is out of range")
         get_advantage(self.advantage)  # ValueError lists the registered names
@@ -181,10 +182,10 @@ class RLRun:
             lambda inputs: get_advantage(self.loop.advantage)(inputs, **self.loop.advantage_kwargs)
         )
         self.batch_size = self.data_cfg.batch_size * self.data_cfg.group_size
-        if self.loop.greedy_members >= self.data_cfg.group_size:
+        if self.loop.greedy_member and self.data_cfg.group_size < 2:
             raise ValueError(
-                f"train.greedy_members={self.loop.greedy_members} must be < data.group_size="
-                f"{self.data_cfg.group_size} (a group needs a sampled member)"
+                f"train.greedy_member needs data.group_size >= 2, not {self.data_cfg.group_size} "
+                "(a group needs a sampled member)"
             )
         self.controller = FallbackController(
             lambda p: make_update_fn(Transformer(self.model_cfg, p), self.rl_cfg, p, self.sampling),
@@ -251,7 +252,7 @@ class RLRun:
 
         g = self.data_cfg.group_size
         tasks = [it["task"] for it in items for _ in range(g)]
-        greedy = np.arange(g) >= g - self.loop.greedy_members  # per group member
+        greedy = (np.arange(g) == g - 1) & self.loop.greedy_member  # per group member
         model = Transformer(self.model_cfg, self.controller.active)
         key = jax.random.fold_in(jax.random.fold_in(self.rollout_key, step), round_index)
         log_path = (
@@ -383,7 +384,7 @@ class RLRun:
                 ),
             }
         )
-        if all_rows["greedy"].any():  # train.greedy_members > 0
+        if all_rows["greedy"].any():  # train.greedy_member
             metrics["greedy_member_success"] = float(all_rows["success"][all_rows["greedy"]].mean())
         metrics.update({k: float(v) for k, v in memory_metrics().items() if v is not None})
         return metrics

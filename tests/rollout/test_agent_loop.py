@@ -141,7 +141,7 @@ def test_twin_slots_are_copied_bitwise(fp32_model, tokenizer):
     np.testing.assert_array_equal(pooled.rollout_logprobs, traj.rollout_logprobs)
 
 
-def test_greedy_members(played, fp32_model, tokenizer):
+def test_greedy_episodes(played, fp32_model, tokenizer):
     """Episodes marked greedy decode as a greedy run does; the sampled ones are unchanged."""
     model, params = fp32_model
     ref, _, _ = played

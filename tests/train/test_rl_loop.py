@@ -72,7 +72,7 @@ def test_main_job_smoke(tmp_path):
             "train.rl_steps=1",
             "train.advantage=gigpo",
             "train.process_weights={'rejected': 0.5, 'parse': 0.0}",
-            "train.greedy_members=1",
+            "train.greedy_member=True",
         ],
     )
     second = run(cfg2, progress=False)
@@ -121,13 +121,11 @@ def test_loop_config_validation():
     with pytest.raises(ValueError, match="tests"):
         LoopConfig(process_weights={"tests": float("nan")})
     LoopConfig(process_weights={"rejected": 2.0, "tests": 0})
-    with pytest.raises(ValueError, match="greedy_members"):
-        LoopConfig(greedy_members=-1)
 
 
-def test_greedy_members_leave_a_sampled_member(tmp_path):
-    cfg = load_config(SMOKE, ["train.sft=False", "train.greedy_members=2"])  # group_size 2
-    with pytest.raises(ValueError, match="greedy_members=2 must be < data.group_size=2"):
+def test_greedy_member_leaves_a_sampled_member(tmp_path):
+    cfg = load_config(SMOKE, ["train.sft=False", "train.greedy_member=True", "data.group_size=1"])
+    with pytest.raises(ValueError, match="greedy_member needs data.group_size >= 2, not 1"):
         RLRun(cfg, str(tmp_path), {}, resume=False)
 
 
