@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--difficulty", default=None, help="task difficulty filter")
     p.add_argument("--episodes", type=_positive_int, default=None, help="number of episodes")
     p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="task-set and sampling seed (default: the run's eval.seed); another seed evaluates "
+        "on other tasks of the split",
+    )
+    p.add_argument(
         "--config", dest="spec", default=None, help="experiment spec (default: the run's config)"
     )
     _add_set(p)

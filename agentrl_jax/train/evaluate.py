@@ -15,9 +15,10 @@ returns a flat dict:
   * ``n_episodes``, ``greedy``.
 
 ``eval_tasks(split, difficulty, n)`` is the fixed evaluation set: the first ``n`` tasks of a fresh
-``data.TaskPipeline`` over ``split`` (bug types balanced round-robin). ``run_from_cli`` backs
-``agentrl eval <run_dir or checkpoint> [--split heldout] [--difficulty 1] [--episodes N]`` and
-prints one JSON object with a ``greedy`` and a ``sampled`` section.
+``data.TaskPipeline`` over ``split`` (bug types balanced round-robin; another ``seed``, another
+set). ``run_from_cli`` backs ``agentrl eval <run_dir or checkpoint> [--split heldout]
+[--difficulty 1] [--episodes N] [--seed S]`` and prints one JSON object with a ``greedy`` and a
+``sampled`` section.
 
 ``paired_gain(before, after)`` compares two results on the same tasks (e.g. before and after RL):
 the success difference, its paired standard error, and how many tasks each side alone solved.
@@ -301,6 +302,8 @@ def _eval_config(cfg_dict: dict[str, Any], args: argparse.Namespace) -> EvalConf
             raise ValueError(f"--difficulty={args.difficulty!r} must be an integer level") from None
     if getattr(args, "episodes", None):
         section["n_episodes"] = int(args.episodes)
+    if getattr(args, "seed", None) is not None:
+        section["seed"] = int(args.seed)
     if "modes" in section:
         section["modes"] = tuple(section["modes"])
     return EvalConfig(**section)
@@ -331,7 +334,8 @@ def run_from_cli(args: argparse.Namespace) -> int:
     ckpt = _checkpoint_path(path, run_dir)
     params, step = restore_params(ckpt, template)
     cfg = _eval_config(cfg_dict, args)
-    result = {"checkpoint": ckpt, "step": step, **evaluate_split(model, params, cfg)}
+    result = {"checkpoint": ckpt, "step": step, "seed": cfg.seed}
+    result.update(evaluate_split(model, params, cfg))
     sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
     sys.stdout.flush()
     return 0

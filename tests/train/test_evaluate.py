@@ -123,5 +123,11 @@ def test_cli_on_run_dir(tiny, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["step"] == 3 and out["split"] == "heldout" and out["difficulty"] == 0
     assert set(out["greedy"]) == set(RESULT_KEYS) and "sampled" not in out
+    assert out["seed"] == EVAL.seed
+    # --seed: another task set of the same split (no task in common with the default one)
+    assert run_from_cli(argparse.Namespace(**{**vars(args), "seed": 7})) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["seed"] == 7
+    default_tasks = {t.seed for t in eval_tasks("heldout", 0, 3, seed=EVAL.seed)}
+    assert not default_tasks & {t.seed for t in eval_tasks("heldout", 0, 3, seed=7)}
     with pytest.raises(ValueError, match="run directory"):
         run_from_cli(argparse.Namespace(**{**vars(args), "run_dir_or_checkpoint": "/nonexistent"}))
