@@ -490,11 +490,11 @@ def run_episodes(
         state = sync(state)
         uids = np.asarray([sl.rec.uid if sl is not None else 0 for sl in slots], np.int32)
         stop_after = 1 if continuous else int(active.sum())
-        rows = ()
+        rows = None  # None traces the all-sampled decode
         if greedy is not None:
-            rows = (np.asarray([sl is not None and greedy[sl.rec.task_index] for sl in slots]),)
+            rows = np.asarray([sl is not None and greedy[sl.rec.task_index] for sl in slots])
         state, out = sampler.decode(
-            params, state, rng, uids, active, budget, np.int32(stop_after), *rows
+            params, state, rng, uids, active, budget, np.int32(stop_after), rows
         )
         if split is not None:
             stats.decode_devices |= {d.id for d in out.tokens.sharding.device_set}

@@ -438,13 +438,9 @@ def _eval(model_cfg, policy, params, eval_section) -> dict[str, Any]:
 def _eval_metrics(result: dict) -> dict[str, float]:
     """Metrics of an evaluation for the JSONL/TensorBoard writer (prefix ``eval``): the greedy
     (else first) mode's success, goal adherence, truncated fraction and per-bug-type success."""
-    out = {
-        "heldout_success": _mode(result, "success"),
-        "heldout_goal_adherence": _mode(result, "goal_adherence"),
-        "heldout_truncated": _mode(result, "truncated"),
-    }
-    for bug, rate in result[_main_mode(result)].get("per_bug_type", {}).items():
-        out[f"heldout_bug_type/{bug}"] = float(rate)
+    r = result[_main_mode(result)]
+    out = {f"heldout_{k}": float(r[k]) for k in ("success", "goal_adherence", "truncated")}
+    out.update({f"heldout_bug_type/{b}": float(v) for b, v in r.get("per_bug_type", {}).items()})
     return out
 
 
