@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         "on other tasks of the split",
     )
     p.add_argument(
+        "--pass-k",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="also sample K episodes per task and report pass@1, 2, 4, .., K (overall, per bug "
+        "type and subtype)",
+    )
+    p.add_argument(
         "--config", dest="spec", default=None, help="experiment spec (default: the run's config)"
     )
     _add_set(p)

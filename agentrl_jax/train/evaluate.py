@@ -12,13 +12,20 @@ returns a flat dict:
   * ``truncated``: fraction stopped by the turn / token cap before the environment ended them;
   * ``per_bug_type``: ``{bug type: success rate}`` (a task counts once under each type it has);
     ``per_bug_type_n``: episodes per type;
+  * ``per_bug_subtype``, ``per_bug_subtype_n``: the same per ``"type/subtype"`` of the injected
+    bugs (``"logic/variable"``; see ``envs.coderepair.bugs``);
   * ``n_episodes``, ``greedy``.
+
+``pass_at_k(model, params, tasks, k=...)`` samples ``k`` episodes per task and returns the
+unbiased pass@j estimates (j = 1, 2, 4, ... k) overall, per bug type and per subtype: how much of
+what the sampled policy can solve greedy decoding leaves on the table, the room that sharpening
+the policy (RL on its own samples) has at most.
 
 ``eval_tasks(split, difficulty, n)`` is the fixed evaluation set: the first ``n`` tasks of a fresh
 ``data.TaskPipeline`` over ``split`` (bug types balanced round-robin; another ``seed``, another
 set). ``run_from_cli`` backs ``agentrl eval <run_dir or checkpoint> [--split heldout]
-[--difficulty 1] [--episodes N] [--seed S]`` and prints one JSON object with a ``greedy`` and a
-``sampled`` section.
+[--difficulty 1] [--episodes N] [--seed S] [--pass-k K]`` and prints one JSON object with a
+``greedy`` and a ``sampled`` section (and ``pass_at_k`` with ``--pass-k``).
 
 ``paired_gain(before, after)`` compares two results on the same tasks (e.g. before and after RL):
 the success difference, its paired standard error, and how many tasks each side alone solved.
@@ -62,6 +69,8 @@ RESULT_KEYS = (
     "truncated",
     "per_bug_type",
     "per_bug_type_n",
+    "per_bug_subtype",
+    "per_bug_subtype_n",
     "n_episodes",
     "greedy",
 )
@@ -128,16 +137,37 @@ def eval_tasks(split: str, difficulty: int, n: int, *, seed: int = 0) -> list:
     return [item["task"] for item in pipe.next_batch(n)]
 
 
+def _bug_labels(task) -> tuple[list[str], list[str]]:
+    """A task's distinct bug types and ``"type/subtype"`` labels (none for a task without bugs)."""
+    types = sorted(set(task.bug_types))
+    subtypes = sorted({f"{b.type}/{b.subtype}" for b in getattr(task, "bugs", ())})
+    return types, subtypes
+
+
+def _group_by_label(values: Sequence[Any], tasks: Sequence[Any]) -> tuple[dict, dict]:
+    """``values`` (one per task) grouped by bug type and by ``"type/subtype"``, keys sorted."""
+    by_type: dict[str, list] = {}
+    by_sub: dict[str, list] = {}
+    for v, task in zip(values, tasks, strict=True):
+        types, subtypes = _bug_labels(task)
+        for t in types:
+            by_type.setdefault(t, []).append(v)
+        for t in subtypes:
+            by_sub.setdefault(t, []).append(v)
+    return dict(sorted(by_type.items())), dict(sorted(by_sub.items()))
+
+
+def _means(groups: dict[str, list]) -> dict[str, float]:
+    return {t: float(np.mean(v)) for t, v in groups.items()}
+
+
 def summarize(traj, tasks: Sequence[Any], *, greedy: bool) -> dict[str, Any]:
     """The result dict (module docstring) of a ``Trajectory`` played on ``tasks`` (same order)."""
     success = np.asarray(traj.success, bool)
     valid = np.asarray(traj.valid, bool)
     turns = np.asarray(traj.turn_ids).max(axis=1)
     p = float(success.mean())
-    per_type: dict[str, list[bool]] = {}
-    for ok, task in zip(success.tolist(), tasks, strict=True):
-        for t in sorted(set(task.bug_types)):
-            per_type.setdefault(t, []).append(ok)
+    per_type, per_sub = _group_by_label(success.tolist(), tasks)
     return {
         "success": p,
         "success_stderr": float(np.sqrt(p * (1 - p) / len(success))),
@@ -146,8 +176,10 @@ def summarize(traj, tasks: Sequence[Any], *, greedy: bool) -> dict[str, Any]:
         "mean_turns": float(turns.mean()),
         "mean_tokens": float(valid.sum(axis=1).mean()),
         "truncated": float(np.asarray(traj.truncated, bool).mean()),
-        "per_bug_type": {t: float(np.mean(v)) for t, v in sorted(per_type.items())},
-        "per_bug_type_n": {t: len(v) for t, v in sorted(per_type.items())},
+        "per_bug_type": _means(per_type),
+        "per_bug_type_n": {t: len(v) for t, v in per_type.items()},
+        "per_bug_subtype": _means(per_sub),
+        "per_bug_subtype_n": {t: len(v) for t, v in per_sub.items()},
         "n_episodes": len(tasks),
         "greedy": bool(greedy),
     }
@@ -248,6 +280,70 @@ def evaluate(
     return summarize(traj, tasks, greedy=greedy)
 
 
+def pass_at_estimates(successes: np.ndarray, j: int) -> np.ndarray:
+    """Unbiased pass@j per task from ``n`` samples of which ``c`` succeeded (Chen et al. 2021):
+
+      pass@j = 1 - C(n - c, j) / C(n, j)
+
+    the chance that ``j`` of the ``n`` samples, drawn without replacement, hold a success.
+
+    Args:
+      successes: bool/int [n, T], sample x task.
+      j: 1 <= j <= n.
+
+    Returns:
+      f64 [T].
+    """
+    s = np.asarray(successes, bool)
+    n = s.shape[0]
+    if not 1 <= j <= n:
+        raise ValueError(f"j={j} must be in [1, {n}] (the samples per task)")
+    fails = n - s.sum(axis=0)
+    # C(f, j) / C(n, j) = prod_{i<j} (f - i) / (n - i), 0 once i reaches f
+    ratio = np.prod([np.clip(fails - i, 0, None) / (n - i) for i in range(j)], axis=0)
+    return 1.0 - ratio
+
+
+def pass_at_k(
+    model: Transformer,
+    params: Any,
+    tasks: Sequence[Any],
+    *,
+    k: int,
+    cfg: EvalConfig = EvalConfig(),
+    rng: jax.Array | None = None,
+) -> dict[str, Any]:
+    """Samples ``k`` episodes of every task (temperature ``cfg.temperature``) and estimates pass@j.
+
+    The ``k * len(tasks)`` episodes run as one batch of ``run_episodes`` (sample ``s`` of task
+    ``i`` is episode ``s * len(tasks) + i``, so sample 0 is the ``sampled`` mode's episode under
+    the same key).
+
+    Returns:
+      ``{"k", "n_tasks", "pass_at": {"1": .., "2": .., "4": .., ..., "k": ..},
+      "per_bug_type": {type: pass@k}, "per_bug_subtype": {"type/subtype": pass@k},
+      "solved_samples": [#successes of each task]}``; pass@j uses ``pass_at_estimates``.
+
+    Raises:
+      ValueError: ``k < 1`` or empty ``tasks``.
+    """
+    if k < 1:
+        raise ValueError(f"k={k} must be >= 1")
+    res = evaluate(model, params, list(tasks) * k, greedy=False, cfg=cfg, rng=rng)
+    succ = np.asarray(res["episode_success"], bool).reshape(k, len(tasks))
+    js = sorted({2**e for e in range(k.bit_length()) if 2**e <= k} | {k})
+    at_k = pass_at_estimates(succ, k).tolist()
+    per_type, per_sub = _group_by_label(at_k, tasks)
+    return {
+        "k": k,
+        "n_tasks": len(tasks),
+        "pass_at": {str(j): float(pass_at_estimates(succ, j).mean()) for j in js},
+        "per_bug_type": _means(per_type),
+        "per_bug_subtype": _means(per_sub),
+        "solved_samples": succ.sum(axis=0).astype(int).tolist(),
+    }
+
+
 def evaluate_split(model: Transformer, params: Any, cfg: EvalConfig) -> dict[str, Any]:
     """Runs every mode of ``cfg.modes`` on ``eval_tasks(cfg.split, cfg.difficulty, ...)``.
 
@@ -336,6 +432,10 @@ def run_from_cli(args: argparse.Namespace) -> int:
     cfg = _eval_config(cfg_dict, args)
     result = {"checkpoint": ckpt, "step": step, "seed": cfg.seed}
     result.update(evaluate_split(model, params, cfg))
+    k = getattr(args, "pass_k", None)
+    if k:
+        tasks = eval_tasks(cfg.split, cfg.difficulty, cfg.n_episodes, seed=cfg.seed)
+        result["pass_at_k"] = pass_at_k(model, params, tasks, k=k, cfg=cfg)
     sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
     sys.stdout.flush()
     return 0
@@ -348,6 +448,8 @@ __all__ = [
     "evaluate",
     "evaluate_split",
     "paired_gain",
+    "pass_at_estimates",
+    "pass_at_k",
     "run_from_cli",
     "summarize",
 ]

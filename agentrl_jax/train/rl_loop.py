@@ -437,10 +437,12 @@ def _eval(model_cfg, policy, params, eval_section) -> dict[str, Any]:
 
 def _eval_metrics(result: dict) -> dict[str, float]:
     """Metrics of an evaluation for the JSONL/TensorBoard writer (prefix ``eval``): the greedy
-    (else first) mode's success, goal adherence, truncated fraction and per-bug-type success."""
+    (else first) mode's success, goal adherence, truncated fraction and per-bug-type and
+    per-subtype success (``heldout_bug_subtype/logic/variable``)."""
     r = result[_main_mode(result)]
     out = {f"heldout_{k}": float(r[k]) for k in ("success", "goal_adherence", "truncated")}
-    out.update({f"heldout_bug_type/{b}": float(v) for b, v in r.get("per_bug_type", {}).items()})
+    for key in ("bug_type", "bug_subtype"):
+        out.update({f"heldout_{key}/{b}": float(v) for b, v in r.get(f"per_{key}", {}).items()})
     return out
 
 

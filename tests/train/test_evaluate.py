@@ -2,7 +2,9 @@
 
 import argparse
 import dataclasses
+import itertools
 import json
+import math
 import types
 
 import jax
@@ -21,6 +23,8 @@ from agentrl_jax.train.evaluate import (
     eval_tasks,
     evaluate,
     paired_gain,
+    pass_at_estimates,
+    pass_at_k,
     run_from_cli,
     summarize,
 )
@@ -33,8 +37,13 @@ EVAL = EvalConfig(difficulty=0, n_episodes=3, max_len=384, max_new_tokens=8, n_s
 
 
 def test_summarize_hand_counts():
+    def bug(t, sub):
+        return types.SimpleNamespace(type=t, subtype=sub)
+
     tasks = [types.SimpleNamespace(bug_types=b) for b in
              (("logic",), ("syntax", "logic"), ("off_by_one",), ("logic", "logic"))]  # fmt: skip
+    tasks[1].bugs = (bug("syntax", "eq"), bug("logic", "variable"))
+    tasks[3].bugs = (bug("logic", "variable"), bug("logic", "constant"))
     valid = np.zeros((4, 10), bool)
     for i, n in enumerate((10, 6, 8, 4)):
         valid[i, :n] = True
@@ -52,6 +61,9 @@ def test_summarize_hand_counts():
     assert out["mean_turns"] == 2.5  # max turn ids 4, 2, 3, 1
     assert out["per_bug_type"] == {"logic": 2 / 3, "off_by_one": 1.0, "syntax": 0.0}
     assert out["per_bug_type_n"] == {"logic": 3, "off_by_one": 1, "syntax": 1}
+    # tasks 0 and 2 carry no bug records; a subtype counts once per task
+    assert out["per_bug_subtype"] == {"logic/constant": 1.0, "logic/variable": 0.5, "syntax/eq": 0.0}
+    assert out["per_bug_subtype_n"] == {"logic/constant": 1, "logic/variable": 2, "syntax/eq": 1}
     assert out["episode_success"] == [1, 0, 1, 1]
     assert out["success_stderr"] == pytest.approx(np.sqrt(0.75 * 0.25 / 4))
 
@@ -75,6 +87,55 @@ def test_paired_gain_hand_values():
         paired_gain(before, {"episode_success": [1, 0]})
     with pytest.raises(ValueError, match="episode_success"):
         paired_gain({"success": 0.5}, after)
+
+
+def test_pass_at_estimates_match_subset_counting():
+    rng = np.random.default_rng(3)
+    succ = rng.random((6, 9)) < 0.35  # 6 samples of 9 tasks
+    succ[:, 0] = False  # never solved
+    succ[:, 1] = True  # always solved
+    for j in range(1, 7):
+        # brute force: the fraction of j-subsets of the samples holding a success
+        want = [
+            np.mean([succ[list(c), t].any() for c in itertools.combinations(range(6), j)])
+            for t in range(9)
+        ]
+        np.testing.assert_allclose(pass_at_estimates(succ, j), want, rtol=0, atol=1e-12)
+    assert pass_at_estimates(succ, 1) == pytest.approx(succ.mean(axis=0))
+    c = succ.sum(axis=0)
+    assert pass_at_estimates(succ, 2)[2] == pytest.approx(1 - math.comb(6 - c[2], 2) / 15)
+    with pytest.raises(ValueError, match="samples per task"):
+        pass_at_estimates(succ, 7)
+
+
+def test_pass_at_k_orders_samples_by_task(monkeypatch):
+    import agentrl_jax.train.evaluate as ev
+
+    tasks = eval_tasks("heldout", 1, 4)
+    k = 3
+    # task i solved in samples s < i (episode s * 4 + i): solved counts 0, 1, 2, 3
+    fake = [int(s < i) for s in range(k) for i in range(4)]
+    seen = {}
+
+    def fake_evaluate(model, params, ts, *, greedy, cfg, rng):
+        seen.update(n=len(ts), greedy=greedy, order=[t.seed for t in ts])
+        return {"episode_success": fake}
+
+    monkeypatch.setattr(ev, "evaluate", fake_evaluate)
+    out = pass_at_k(None, None, tasks, k=k, cfg=EVAL)
+    assert seen["n"] == 12 and seen["greedy"] is False
+    assert seen["order"] == [t.seed for t in tasks] * k
+    assert out["solved_samples"] == [0, 1, 2, 3] and out["k"] == 3 and out["n_tasks"] == 4
+    assert set(out["pass_at"]) == {"1", "2", "3"}
+    assert out["pass_at"]["1"] == pytest.approx(6 / 12)
+    assert out["pass_at"]["3"] == pytest.approx(3 / 4)
+    # pass@2 per task: 0, 1 - C(2,2)/C(3,2) = 2/3, 1, 1
+    assert out["pass_at"]["2"] == pytest.approx((0 + 2 / 3 + 1 + 1) / 4)
+    by_type = {t.bug_types[0]: float(i > 0) for i, t in enumerate(tasks)}
+    assert out["per_bug_type"] == by_type
+    assert sum(len(t.bugs) for t in tasks) == 4 and len(out["per_bug_subtype"]) >= 1
+    with pytest.raises(ValueError, match="k=0"):
+        pass_at_k(None, None, tasks, k=0, cfg=EVAL)
 
 
 def test_eval_tasks_deterministic_and_split():
@@ -107,6 +168,7 @@ def test_evaluate_keys_on_tiny_model(tiny):
     assert out["mean_turns"] >= 1 and out["mean_tokens"] > 100  # the prompt alone is > 100
     assert set(out["per_bug_type"]) <= set(BUG_TYPES)
     assert sum(out["per_bug_type_n"].values()) == 3
+    assert {s.split("/")[0] for s in out["per_bug_subtype"]} == set(out["per_bug_type"])
 
 
 def test_cli_on_run_dir(tiny, tmp_path, capsys):
@@ -127,6 +189,11 @@ def test_cli_on_run_dir(tiny, tmp_path, capsys):
     # --seed: another task set of the same split (no task in common with the default one)
     assert run_from_cli(argparse.Namespace(**{**vars(args), "seed": 7})) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["seed"] == 7
+    # --pass-k: k sampled episodes per task, pass@1 .. pass@k
+    assert run_from_cli(argparse.Namespace(**{**vars(args), "pass_k": 2})) == 0
+    pk = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["pass_at_k"]
+    assert pk["k"] == 2 and pk["n_tasks"] == 3 and set(pk["pass_at"]) == {"1", "2"}
+    assert 0.0 <= pk["pass_at"]["1"] <= pk["pass_at"]["2"] <= 1.0
     default_tasks = {t.seed for t in eval_tasks("heldout", 0, 3, seed=EVAL.seed)}
     assert not default_tasks & {t.seed for t in eval_tasks("heldout", 0, 3, seed=7)}
     with pytest.raises(ValueError, match="run directory"):

@@ -46,6 +46,7 @@ def test_main_job_smoke(tmp_path):
     assert len(evals) == 3  # before, mid-run at step 1 (eval_every=1), after
     assert all(0.0 <= x["eval/heldout_truncated"] <= 1.0 for x in evals)
     assert any(k.startswith("eval/heldout_bug_type/") for k in evals[1])
+    assert any(k.startswith("eval/heldout_bug_subtype/") for k in evals[1])
     saved = json.load(open(os.path.join(run_dir, "summary.json")))
     assert (
         list(saved["eval_mid"]) == ["1"] and "episode_success" in saved["eval_mid"]["1"]["greedy"]
