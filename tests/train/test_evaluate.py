@@ -62,7 +62,8 @@ def test_summarize_hand_counts():
     assert out["per_bug_type"] == {"logic": 2 / 3, "off_by_one": 1.0, "syntax": 0.0}
     assert out["per_bug_type_n"] == {"logic": 3, "off_by_one": 1, "syntax": 1}
     # tasks 0 and 2 carry no bug records; a subtype counts once per task
-    assert out["per_bug_subtype"] == {"logic/constant": 1.0, "logic/variable": 0.5, "syntax/eq": 0.0}
+    subtypes = {"logic/constant": 1.0, "logic/variable": 0.5, "syntax/eq": 0.0}
+    assert out["per_bug_subtype"] == subtypes
     assert out["per_bug_subtype_n"] == {"logic/constant": 1, "logic/variable": 2, "syntax/eq": 1}
     assert out["episode_success"] == [1, 0, 1, 1]
     assert out["success_stderr"] == pytest.approx(np.sqrt(0.75 * 0.25 / 4))
