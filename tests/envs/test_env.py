@@ -84,6 +84,32 @@ def test_repeated_rejected_call(env):
     assert env.step(call(env, "sub L0 // a"))[1].process["repeated"] == 0.0
 
 
+def test_no_change_edit_and_sub_are_refused(env):
+    """An edit writing the line already there, or a sub of a word by itself, changes nothing and
+    is refused (``same Lk``, rejected); a real change is accepted and then the same call again
+    is a no-change refusal."""
+    task = make_task(5, 1, bug_types=("logic",))
+    bug = task.bugs[0]
+    env.reset(task)
+    k = bug.line
+    line = " ".join(env.state.lines[k])
+    before = list(env.state.lines)
+    word = env.state.lines[k][0]
+    for action in (f"edit L{k} {line}", f"sub L{k} {word} {word}"):
+        obs, res = env.step(call(env, action))
+        assert res.log["error"] and res.process["rejected"] == -1.0
+        assert f"error same L{k}" in obs_text(env, obs)
+        assert env.state.lines == before
+    fix = " ".join(bug.original)
+    obs, res = env.step(call(env, f"edit L{k} {fix}"))
+    assert not res.log["error"] and env.state.lines[k] == bug.original
+    obs, res = env.step(call(env, f"edit L{k} {fix}"))
+    assert res.log["error"] and f"error same L{k}" in obs_text(env, obs)
+    # a sub that inserts words around the old one is a change
+    obs, res = env.step(call(env, f"sub L{k} {word} {word} {word}"))
+    assert not res.log["error"] or "occurs" in obs_text(env, obs)
+
+
 def _task_with(bug_type, difficulty=1):
     for seed in range(50):
         t = make_task(seed, difficulty, bug_types=(bug_type,) * difficulty_bugs(difficulty))

@@ -40,7 +40,7 @@ MESSAGE_WORDS = tuple(
     parameter closed by undefined variable did you mean takes args division zero timeout value too
     large recursion deep ok has occurs times use submitted broken out turns unknown tool no call
     lines range bad => : . do needs new at most must have failed
-    cursor give a
+    cursor give a same
     """.split()
 )
 _NUMBER = re.compile(r"-?\d+")

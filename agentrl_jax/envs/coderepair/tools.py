@@ -19,6 +19,9 @@ Calls (words after ``<call>``) and what they answer:
     NEW (``sub L4 b + b`` inserts a ``+`` before ``b``); ``sub OLD NEW ...`` does it on the
     cursor line.
   * ``submit``: run every test (hidden ones too) and check the rule; ends the episode.
+An ``edit`` or ``sub`` that would leave the program as it is (the lines already there, a word
+replaced by itself) is refused with ``error same Lk``, as an editor reports "no replacement
+performed": the agent sees it made no progress, and the call counts as rejected.
 
 The cursor spares a small model from copying line ids (measured: a 0.4M-parameter model trained
 for minutes on a CPU did not learn to copy them); every tool still takes explicit line ids.
@@ -249,6 +252,8 @@ class EditTool:
         n_after = len(st.lines) - (hi - lo + 1) + len(new)
         if not 0 < n_after <= MAX_LINES:
             raise ToolError(f"program must have 1 to {MAX_LINES} lines")
+        if st.lines[lo : hi + 1] == new:
+            raise ToolError(f"same L{lo}")
         st.lines[lo : hi + 1] = new
         st.cursor = lo if new else -1
         shown = render_lines(st.lines, lo, lo + len(new) - 1) if new else []
@@ -278,6 +283,8 @@ class SubTool:
         if n > 1:
             raise ToolError(f"{old} occurs {n} times in L{k} use edit")
         pos = words.index(old)
+        if new == (old,):
+            raise ToolError(f"same L{k}")
         st.lines[k] = words[:pos] + new + words[pos + 1 :]
         return "ok " + _line_text(st.lines, k)
 
