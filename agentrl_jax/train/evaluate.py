@@ -315,9 +315,8 @@ def pass_at_k(
 ) -> dict[str, Any]:
     """Samples ``k`` episodes of every task (temperature ``cfg.temperature``) and estimates pass@j.
 
-    The ``k * len(tasks)`` episodes run as one batch of ``run_episodes`` (sample ``s`` of task
-    ``i`` is episode ``s * len(tasks) + i``, so sample 0 is the ``sampled`` mode's episode under
-    the same key).
+    The ``k * len(tasks)`` episodes run as one ``run_episodes`` call (sample ``s`` of task ``i``
+    is episode ``s * len(tasks) + i``, each with its own key folded from ``rng``).
 
     Returns:
       ``{"k", "n_tasks", "pass_at": {"1": .., "2": .., "4": .., ..., "k": ..},
