@@ -86,8 +86,9 @@ def get_config(arg=None):
     # 74.2% greedy, the steadiest curve; rl.lr=1e-3 with decay 76.6% / 75.8%, but 73.4% on 128
     # other held-out tasks (eval --seed 1) where this config's run reached 74.2% (README).
     # Session 14 (same checkpoint; env refuses no-change edits, SFT greedy 72.7%): this config
-    # 73.4% / 70.3%; data.group_size=8 75.8% / 72.7% (pass@8 84.4% -> 80.5%); 200 steps with
-    # decay: 72.7-75.8% at every evaluation (README).
+    # with negative_adv_weight 1.0 73.4% / 70.3%; + data.group_size=8 75.8% / 72.7% (pass@8
+    # 84.4% -> 80.5%); 200 steps with decay: 72.7-75.8% at every evaluation; at 0.5 (below)
+    # 78.9% / 73.4% (README).
     # With the wrong-guess detours in SFT (session 8; 128 held-out episodes, SFT
     # greedy / sampled 68.8% / 71.1%): this config 76.6% / 73.4% (+7.8 / +2.3), seed=1 and
     # seed=2 75.0% / 71.1% (+6.3 / +0.0); rl.lr=1e-3 71.1% / 73.4%; train.max_turns=10 69.5% /
