@@ -5,7 +5,10 @@ vs dense causal attention), paged decode (bytes of owned K/V pages). Impls: refe
 pallas (skipped on CPU unless --pallas-interpret), pallas_tpu (block-sparse and paged decode:
 the scalar-prefetch Mosaic kernels; timed only on TPU, elsewhere one "skipped" line per pass),
 and 'dpa' (jax.nn.dot_product_attention: cuDNN on GPU when it accepts the inputs, XLA
-otherwise). Imports only jax/numpy.
+otherwise). Imports only jax/numpy. Where the reference ran on the same inputs (seq_len <=
+--ref-max-seq), each impl's line carries ``rel_err_vs_reference``: ||out - ref|| / ||ref|| of
+the output (fwd) or of the three gradients (fwd_bwd, the largest of the three), so a GPU run
+also checks the compiled kernels.
 
   python benchmarks/kernels.py                       # modest CPU shapes (< 2 min)
   python benchmarks/kernels.py --seq 32768 --batch 1 --heads-q 32 --heads-kv 8 --head-dim 128 \
@@ -56,6 +59,7 @@ log = logging.getLogger("benchmarks.kernels")
 
 
 def _time(fn, args, reps):
+    """-> (median ms, min ms, max ms, first output)."""
     out = fn(*args)  # compile + warm-up
     jax.block_until_ready(out)
     jax.block_until_ready(fn(*args))
@@ -64,7 +68,18 @@ def _time(fn, args, reps):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), min(times), max(times)
+    return statistics.median(times), min(times), max(times), out
+
+
+def _rel_err(out, ref) -> float:
+    """max over the pytree's leaves of ||out - ref|| / ||ref||, in float32."""
+    errs = []
+    for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        o, r = np.asarray(o, np.float32), np.asarray(r, np.float32)
+        errs.append(float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30)))
+        if not np.all(np.isfinite(o)):
+            return float("nan")
+    return max(errs)
 
 
 def _grad_fn(op):
@@ -154,6 +169,9 @@ class Bench:
                     else {"gb_per_s": w / (t[0] * 1e-3) / 1e9}
                 )
                 ref = times.get("reference")
+                err = None
+                if ref is not None and impl != "dpa":
+                    err = _rel_err(t[3], ref[3])
                 self.emit(
                     variant=f"{op}/{impl}/{pas}",
                     op=op,
@@ -165,6 +183,7 @@ class Bench:
                     time_ms_max=round(t[2], 4),
                     **{k: round(v, 4) for k, v in rate.items()},
                     ref_time_ms=None if ref is None else round(ref[0], 4),
+                    rel_err_vs_reference=None if err is None else float(f"{err:.3g}"),
                     dpa_time_ms=None if dpa_t is None else round(dpa_t[0], 4),
                     speedup_vs_dpa=None if dpa_t is None else round(dpa_t[0] / t[0], 3),
                     **shape,
@@ -187,7 +206,9 @@ def bench_sliding_window(bench, a, dtype):
     ops = {
         "reference": functools.partial(K.sliding_window_attention_reference, window=w),
         "xla": functools.partial(K.sliding_window_attention, window=w, impl="xla"),
-        "pallas": functools.partial(K.sliding_window_attention, window=w, impl="pallas"),
+        "pallas": functools.partial(
+            K.sliding_window_attention, window=w, impl="pallas", interpret=a.pallas_interpret
+        ),
     }
     make, _ = _dpa(None, is_causal=True, local_window_size=(w - 1, 0))
     shape = dict(batch=a.batch, seq_len=a.seq, heads_q=a.heads_q, heads_kv=a.heads_kv)
@@ -226,6 +247,7 @@ def bench_block_sparse(bench, a, dtype):
             block_size=bs,
             query_block=a.query_block,
             impl=impl,
+            **({"interpret": True} if impl == "pallas" and a.pallas_interpret else {}),
         )
         for impl in ("xla", "pallas", "pallas_tpu")
     }
@@ -271,7 +293,11 @@ def bench_paged_decode(bench, a, dtype, int8):
         fn = (
             K.paged_decode_attention_reference
             if impl == "reference"
-            else functools.partial(K.paged_decode_attention, impl=impl)
+            else functools.partial(
+                K.paged_decode_attention,
+                impl=impl,
+                **({"interpret": True} if impl == "pallas" and a.pallas_interpret else {}),
+            )
         )
         ops[impl] = (lambda f: lambda q, kp, vp: f(q, kp, vp, tables, lengths, **scales))(fn)
     # dot_product_attention on the same tokens laid out contiguously (dequantised for int8).

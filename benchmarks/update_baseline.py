@@ -73,7 +73,11 @@ Without them (e.g. under the project's venv, as ``make bench`` runs it) it print
 
 Usage: python benchmarks/update_baseline.py [--models dense,moe] [--reps 5] [--threads 1,2]
        [--recompute fused,separate] [--experts grouped_mm,eager,batched_mm] [--attn sdpa|eager]
-       [--compile] [--dtype fp32|bf16]
+       [--compile] [--compile-mode default|reduce-overhead|max-autotune-no-cudagraphs]
+       [--dtype fp32|bf16] [--device cpu|cuda]
+
+``--device cuda`` runs model, batch and AdamW on the GPU (``torch.cuda.synchronize`` around
+each timed step; ``--dtype bf16`` then autocasts on CUDA); threads only affect host work there.
 
 ``--dtype bf16`` runs the forward under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (fp32
 parameters, gradients and AdamW), the mixed precision ``update.py --policy bf16`` uses.
@@ -135,8 +139,8 @@ COMMON = dict(
 )
 
 
-def build_model(kind: str, attn: str, experts: str):
-    """Randomly initialised fp32 model in train mode (dropout 0) -> torch.nn.Module."""
+def build_model(kind: str, attn: str, experts: str, device: str = "cpu"):
+    """Randomly initialised fp32 model in train mode (dropout 0) on ``device`` -> nn.Module."""
     torch.manual_seed(0)
     if kind == "dense":
         cfg = LlamaConfig(intermediate_size=768, attn_implementation=attn, **COMMON)
@@ -154,7 +158,7 @@ def build_model(kind: str, attn: str, experts: str):
             **COMMON,
         )
         model = MixtralForCausalLM(cfg)
-    model = model.to(torch.float32).train()
+    model = model.to(device=device, dtype=torch.float32).train()
     if kind == "moe" and model.config._experts_implementation != experts:
         raise RuntimeError(
             f"experts_implementation {experts!r} requested, model uses "
@@ -163,7 +167,7 @@ def build_model(kind: str, attn: str, experts: str):
     return model
 
 
-def make_batch() -> dict:
+def make_batch(device: str = "cpu") -> dict:
     """Random batch with update.py's layout, already shifted to the logprob alignment [B, T-1]."""
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (BATCH, T), generator=gen)
@@ -172,13 +176,14 @@ def make_batch() -> dict:
     adv = torch.where(action, torch.randn((BATCH, T), generator=gen), 0.0)
     noise = 0.1 * torch.randn((BATCH, T), generator=gen)
     logp_rollout = torch.where(action, -math.log(VOCAB) + noise, 0.0)
-    return {
+    batch = {
         "tokens": tokens,
         "targets": tokens[:, 1:].contiguous(),
         "mask": action[:, 1:].contiguous(),
         "adv": adv[:, 1:].contiguous(),
         "logp_rollout": logp_rollout[:, 1:].contiguous(),
     }
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def token_logprobs(model, tokens, targets):
@@ -198,17 +203,17 @@ def ppo_loss(logp, anchor, adv, mask):
     return loss, ratio, l1, l2
 
 
-def make_loss_fn(model, recompute: str, dtype: str = "fp32"):
+def make_loss_fn(model, recompute: str, dtype: str = "fp32", device: str = "cpu"):
     """loss_fn(batch) -> (loss, no-grad tensors for metrics): the step's differentiated part.
 
-    ``dtype="bf16"``: the forward runs under ``torch.autocast("cpu", torch.bfloat16)`` (fp32
+    ``dtype="bf16"``: the forward runs under ``torch.autocast(device, torch.bfloat16)`` (fp32
     parameters and optimiser; linear layers / matmuls take bf16 inputs), PyTorch's counterpart
     of ``update.py --policy bf16``; logits are upcast to fp32 before the log-softmax either way.
     """
 
     def loss_fn(tokens, targets, adv, mask):
         if dtype == "bf16":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=torch.bfloat16):
                 return _loss(tokens, targets, adv, mask)
         return _loss(tokens, targets, adv, mask)
 
@@ -254,11 +259,13 @@ def make_optimizer(model):
         return torch.optim.AdamW(model.parameters(), foreach=True, **kw)
 
 
-def timed(fn, reps):
+def timed(fn, reps, sync=lambda: None):
     times = []
     for _ in range(reps):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times), min(times), max(times)
 
@@ -273,13 +280,16 @@ def load_avg() -> float | None:
 
 def measure(kind, experts, recompute, threads, compiled, args) -> dict:
     torch.set_num_threads(threads)
-    model = build_model(kind, args.attn, experts)
+    device = args.device
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    model = build_model(kind, args.attn, experts, device)
     opt = make_optimizer(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    batch = make_batch()
-    loss_fn = make_loss_fn(model, recompute, args.dtype)
+    batch = make_batch(device)
+    loss_fn = make_loss_fn(model, recompute, args.dtype, device)
     if compiled:
-        loss_fn = torch.compile(loss_fn)
+        mode = None if args.compile_mode == "default" else args.compile_mode
+        loss_fn = torch.compile(loss_fn, mode=mode)
     holder = {}
 
     def step():
@@ -295,9 +305,11 @@ def measure(kind, experts, recompute, threads, compiled, args) -> dict:
 
     t0 = time.perf_counter()
     step()  # warm-up (compiles when compiled)
+    sync()
     first_s = time.perf_counter() - t0
+    step()  # a second warm step (CUDA: allocator and autotuning caches settle)
     load = load_avg()
-    step_ms, step_min, step_max = timed(step, args.reps)
+    step_ms, step_min, step_max = timed(step, args.reps, sync)
     n_params = sum(p.numel() for p in params)
     line = {
         "bench": "update_baseline",
@@ -306,7 +318,8 @@ def measure(kind, experts, recompute, threads, compiled, args) -> dict:
         + ("/recompute" if recompute == "separate" else "")
         + ("/bf16" if args.dtype == "bf16" else "")
         + f"/t{threads}"
-        + ("/compiled" if compiled else ""),
+        + ("/compiled" if compiled else "")
+        + (f"-{args.compile_mode}" if compiled and args.compile_mode != "default" else ""),
         "impl": f"transformers.{type(model).__name__} + torch.optim.AdamW",
         "model": kind,
         "pattern": "DDDD",
@@ -323,12 +336,14 @@ def measure(kind, experts, recompute, threads, compiled, args) -> dict:
         "experts_implementation": experts if kind == "moe" else None,
         "attn_implementation": args.attn,
         "compiled": compiled,
+        "compile_mode": args.compile_mode if compiled else None,
         "first_step_s": round(first_s, 2),
         "params": n_params,
         "reps": args.reps,
         "load_avg": load,
-        "backend": "torch-cpu",
+        "backend": f"torch-{device}",
         "devices": 1,
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else None,
         "threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
@@ -354,7 +369,16 @@ def main(argv=None) -> None:
         "--experts", default="grouped_mm", help="comma list: grouped_mm,eager,batched_mm"
     )
     ap.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
+    ap.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda"), help="cuda: time on the GPU"
+    )
     ap.add_argument("--compile", action="store_true", help="also time torch.compile'd steps")
+    ap.add_argument(
+        "--compile-mode",
+        default="default",
+        choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+        help="torch.compile mode (reduce-overhead: CUDA graphs on GPU)",
+    )
     args = ap.parse_args(argv)
     for field, allowed in (
         ("models", {"dense", "moe"}),
@@ -367,6 +391,8 @@ def main(argv=None) -> None:
     threads = [int(t) for t in args.threads.split(",")]
     if any(t < 1 for t in threads):
         raise ValueError(f"--threads {args.threads} must be ints >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device")
     for kind in args.models.split(","):
         for experts in args.experts.split(",") if kind == "moe" else ["-"]:
             for recompute in args.recompute.split(","):
