@@ -12,11 +12,17 @@
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# The package without installing it: agentrl_jax/* plus kernels/ as agentrl_jax.kernels (the
+# mapping pyproject.toml's package_dir makes), as links under $PKG.
+PKG=${PKG:-/tmp/agentrl_pkg}
+rm -rf "$PKG" && mkdir -p "$PKG/agentrl_jax"
+for f in "$PWD"/agentrl_jax/*; do ln -s "$f" "$PKG/agentrl_jax/"; done
+ln -s "$PWD/kernels" "$PKG/agentrl_jax/kernels"
+export PYTHONPATH=$PKG${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
 PY=${PY:-python3}
 TPY=${TPY:-$PY}  # python with torch + transformers
-# The repo root's kernels/ would shadow the `kernels` package transformers probes: no PYTHONPATH.
+# transformers probes a `kernels` package: keep the project off its path.
 TORCH=(env -u PYTHONPATH "$TPY")
 DRY=${DRY:-0}
 RES=$OUT/results.jsonl
@@ -26,11 +32,15 @@ LOG=$OUT/log.txt
 T0=$(date +%s)
 
 DEADLINE=${DEADLINE:-450}  # seconds for all steps together; each is cut to what is left
+# STEPS="update_bf16 kernels_check ...": run only these (default: all, in the order below).
 
 step() {  # step NAME LIMIT_S CMD...
   local name=$1 lim=$2
   shift 2
   local t=$(date +%s)
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then
+    return
+  fi
   local left=$((DEADLINE - (t - T0)))
   if [ "$left" -lt 15 ]; then
     echo "== $name skipped: deadline" | tee -a "$LOG"
@@ -51,7 +61,7 @@ step() {  # step NAME LIMIT_S CMD...
 if [ "$DRY" = 1 ]; then
   REPS=1
   KSMALL=(--seq 256 --decode-context 256 --reps 1 --pallas-interpret)
-  KBIG=(--seq 512 --decode-context 512 --reps 1 --ops sliding_window,paged_decode)
+  KBIG=(--seq 512 --decode-context 512 --reps 1)
   DEV=cpu
 else
   REPS=20
@@ -69,14 +79,19 @@ step update_bf16 120 $PY benchmarks/update.py --policy bf16 --reps $REPS --iter-
   --iteration moe-SSSF
 step baseline_bf16 150 "${TORCH[@]}" benchmarks/update_baseline.py --device $DEV --dtype bf16 \
   --threads 1 --reps $REPS --compile
-# Kernels: compiled Pallas (Triton) vs the fp32 reference at a modest shape, then timing at
-# the GPU shapes of the kernels issue.
-step kernels_check 70 $PY benchmarks/kernels.py "${KSMALL[@]}"
-step kernels_big 100 $PY benchmarks/kernels.py "${KBIG[@]}"
+step baseline_cudagraphs 70 "${TORCH[@]}" benchmarks/update_baseline.py --device $DEV \
+  --dtype bf16 --threads 1 --reps $REPS --models dense --compile --compile-mode reduce-overhead
 step update_fp32 50 $PY benchmarks/update.py --policy fp32 --reps $REPS --only dense-DDDD,moe-DDDD \
   --iteration none
 step baseline_fp32 40 "${TORCH[@]}" benchmarks/update_baseline.py --device $DEV --dtype fp32 \
   --threads 1 --reps $REPS
+# Kernels: compiled Pallas (Triton) vs the fp32 reference at a modest shape, then timing at
+# the GPU shapes of the kernels issue, one op per step (a slow op costs its own step only).
+step kernels_check 70 $PY benchmarks/kernels.py "${KSMALL[@]}"
+step kernels_big_swa 100 $PY benchmarks/kernels.py "${KBIG[@]}" --ops sliding_window
+step kernels_big_decode 40 $PY benchmarks/kernels.py "${KBIG[@]}" \
+  --ops paged_decode,paged_decode_int8
+step kernels_big_sparse 80 $PY benchmarks/kernels.py "${KBIG[@]}" --ops block_sparse
 echo "total $(($(date +%s) - T0))s" | tee -a "$LOG"
 
 # Short table (the reply carries the end of stdout).

@@ -183,8 +183,15 @@ def _swa_bwd(window, scale, bs, interpret, res, do):
         interpret=interpret,
         compiler_params=None if interpret else gpu_compiler_params(),
     )(q, k, v, do, lse, delta)
+    # dk/dv hold all query rows of a band in flight: with bq * g rows of q and dO per step
+    # (256 x 128 bf16 at g=4, head_dim 128) Triton asked for 322 KB of shared memory on an H200
+    # (227 KB available), so this pass steps through queries in blocks of <= 64 rows.
+    bq_kv = bq
+    while bq_kv * g > 64 and bq_kv % 2 == 0:
+        bq_kv //= 2
+    kw_kv = dict(kw, bq=bq_kv)
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, nq=t // bq, **kw),
+        functools.partial(_dkv_kernel, nq=t // bq_kv, **kw_kv),
         grid=(b, kh, t // bk),
         in_specs=[q_all, kv_blk, kv_blk, q_all, row_all, row_all],
         out_specs=[kv_blk, kv_blk],
