@@ -89,6 +89,12 @@ def get_config(arg=None):
     # with negative_adv_weight 1.0 73.4% / 70.3%; + data.group_size=8 75.8% / 72.7% (pass@8
     # 84.4% -> 80.5%); 200 steps with decay: 72.7-75.8% at every evaluation; at 0.5 (below)
     # 78.9% / 73.4% (README).
+    # Session 15 (same checkpoint, all at negative weight 0.5): weight 0.25 75.0% / 69.5%;
+    # train.rl_steps=100 80.5% / 76.6% (79.7% / 78.9% on the fresh tasks, +7.8 there: no
+    # better than 50 steps' +8.6); 8 groups of 8 75.0% / 75.8%; data.skip_strata=True (band
+    # 0.1-0.9, k_samples=32) 71.9% / 71.9%; entropy_coef=0.01 77.3% / 73.4%; the `repeated`
+    # penalty alone (episode_process, 0.5) 75.8% / 74.2%; this config with seed=1 75.0% / 72.7%
+    # (+2.3; +5.5 on the fresh tasks): the gain depends on the RL seed (README).
     # With the wrong-guess detours in SFT (session 8; 128 held-out episodes, SFT
     # greedy / sampled 68.8% / 71.1%): this config 76.6% / 73.4% (+7.8 / +2.3), seed=1 and
     # seed=2 75.0% / 71.1% (+6.3 / +0.0); rl.lr=1e-3 71.1% / 73.4%; train.max_turns=10 69.5% /
