@@ -37,10 +37,10 @@ DEADLINE=${DEADLINE:-450}  # seconds for all steps together; each is cut to what
 step() {  # step NAME LIMIT_S CMD...
   local name=$1 lim=$2
   shift 2
-  local t=$(date +%s)
   if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then
     return
   fi
+  local t=$(date +%s)
   local left=$((DEADLINE - (t - T0)))
   if [ "$left" -lt 15 ]; then
     echo "== $name skipped: deadline" | tee -a "$LOG"

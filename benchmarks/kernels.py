@@ -72,14 +72,20 @@ def _time(fn, args, reps):
 
 
 def _rel_err(out, ref) -> float:
-    """max over the pytree's leaves of ||out - ref|| / ||ref||, in float32."""
+    """max over the pytree's leaves of ||out - ref|| / ||ref||, in float32 (NaN if any
+    output element is not finite)."""
     errs = []
     for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
         o, r = np.asarray(o, np.float32), np.asarray(r, np.float32)
-        errs.append(float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30)))
         if not np.all(np.isfinite(o)):
             return float("nan")
+        errs.append(float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30)))
     return max(errs)
+
+
+def _interpret(a, impl: str) -> bool:
+    """Interpret mode for the generic Pallas impl under --pallas-interpret (CPU timing)."""
+    return impl == "pallas" and a.pallas_interpret
 
 
 def _grad_fn(op):
@@ -207,7 +213,7 @@ def bench_sliding_window(bench, a, dtype):
         "reference": functools.partial(K.sliding_window_attention_reference, window=w),
         "xla": functools.partial(K.sliding_window_attention, window=w, impl="xla"),
         "pallas": functools.partial(
-            K.sliding_window_attention, window=w, impl="pallas", interpret=a.pallas_interpret
+            K.sliding_window_attention, window=w, impl="pallas", interpret=_interpret(a, "pallas")
         ),
     }
     make, _ = _dpa(None, is_causal=True, local_window_size=(w - 1, 0))
@@ -247,7 +253,7 @@ def bench_block_sparse(bench, a, dtype):
             block_size=bs,
             query_block=a.query_block,
             impl=impl,
-            **({"interpret": True} if impl == "pallas" and a.pallas_interpret else {}),
+            interpret=_interpret(a, impl),
         )
         for impl in ("xla", "pallas", "pallas_tpu")
     }
@@ -294,9 +300,7 @@ def bench_paged_decode(bench, a, dtype, int8):
             K.paged_decode_attention_reference
             if impl == "reference"
             else functools.partial(
-                K.paged_decode_attention,
-                impl=impl,
-                **({"interpret": True} if impl == "pallas" and a.pallas_interpret else {}),
+                K.paged_decode_attention, impl=impl, interpret=_interpret(a, impl)
             )
         )
         ops[impl] = (lambda f: lambda q, kp, vp: f(q, kp, vp, tables, lengths, **scales))(fn)
