@@ -11,7 +11,10 @@ it failed, then the fix). It is stored as numpy arrays (T = episode tokens):
     excluded;
   * ``detour_mask`` bool [T]: action tokens of detour turns (a wrong edit or a rejected call the
     expert makes on purpose): the SFT loss skips them, so the model learns to recover from the
-    observation that follows without learning to make the mistake;
+    observation that follows without learning to make the mistake. With ``learn_guesses`` the
+    wrong-guess detours (a same-kind word tried in the bug's place, then ``run``) are left out of
+    it and count as fix turns: the model imitates the search itself (which words to try, never
+    one already tried), not only the recovery;
   * ``turn_ids`` int32 [T]: 0 on the prompt, k on the k-th turn and its observation.
 
 Crops (``crop_demo``): with ``crop_len > 0`` a demonstration is cut to the ``crop_len`` tokens
@@ -53,6 +56,7 @@ def demo_episode(
     detour_prob: float = 0.0,
     detour_seed: int = 0,
     max_guesses: int = 1,
+    learn_guesses: bool = False,
 ) -> dict[str, Any]:
     """Plays the expert on the task of ``spec``; returns the demonstration arrays.
 
@@ -62,6 +66,7 @@ def demo_episode(
       detour_prob: probability of a detour before each fix, in ``[0, 1]``.
       detour_seed: randomness of the detours.
       max_guesses: most wrong guesses in a row in a wrong-guess detour (``expert_plan_detours``).
+      learn_guesses: wrong guesses are trained on (fix turns), not masked as detours.
 
     Returns:
       ``{"tokens", "action_mask", "fix_mask", "detour_mask", "turn_ids"}`` numpy arrays of
@@ -76,11 +81,12 @@ def demo_episode(
         task, tokenizer, detour_prob=detour_prob, seed=detour_seed, max_guesses=max_guesses
     )
     ep = play_episode(CodeRepairEnv(tokenizer), task, policy)
-    detour_turns = sorted(policy.detour_turns)
+    skipped = policy.detour_turns - policy.guess_turns if learn_guesses else policy.detour_turns
+    detour_turns = sorted(skipped)
     fix_turns = [
         k + 1
         for k, log in enumerate(ep.logs)
-        if log.get("tool") in FIX_TOOLS and k + 1 not in policy.detour_turns
+        if log.get("tool") in FIX_TOOLS and k + 1 not in skipped
     ]
     fix_mask = ep.action_mask & np.isin(ep.turn_ids, fix_turns)
     return {
@@ -98,12 +104,19 @@ def demo_episode(
 class MakeDemo(grain.transforms.Map):
     """grain transform: task spec -> demonstration (``demo_episode``)."""
 
-    def __init__(self, detour_prob: float = 0.0, detour_seed: int = 0, max_guesses: int = 1):
+    def __init__(
+        self,
+        detour_prob: float = 0.0,
+        detour_seed: int = 0,
+        max_guesses: int = 1,
+        learn_guesses: bool = False,
+    ):
         if not 0.0 <= detour_prob <= 1.0:
             raise ValueError(f"detour_prob={detour_prob} must be in [0, 1]")
         self.detour_prob = detour_prob
         self.detour_seed = detour_seed
         self.max_guesses = max_guesses
+        self.learn_guesses = learn_guesses
         self.tokenizer = CodeTokenizer()
 
     def map(self, element: Mapping[str, Any]) -> dict[str, Any]:
@@ -113,6 +126,7 @@ class MakeDemo(grain.transforms.Map):
             detour_prob=self.detour_prob,
             detour_seed=self.detour_seed,
             max_guesses=self.max_guesses,
+            learn_guesses=self.learn_guesses,
         )
 
 
@@ -195,6 +209,7 @@ class DemoSource:
       difficulties: environment difficulty levels (equal weight each).
       detour_prob: probability of a detour before each fix.
       max_guesses: most wrong guesses in a row in a wrong-guess detour (>= 1).
+      learn_guesses: train on the wrong guesses (``demo_episode``).
       buckets: padded sequence lengths, ascending; longer episodes are dropped.
       shuffle_seed: seed of the task order.
       read_threads: grain reader threads (demonstrations are played in them).
@@ -204,6 +219,7 @@ class DemoSource:
     difficulties: tuple[int, ...] = (1,)
     detour_prob: float = 0.0
     max_guesses: int = 1
+    learn_guesses: bool = False
     buckets: tuple[int, ...] = (256, 320, 384)
     shuffle_seed: int = 0
     read_threads: int = 1
@@ -247,7 +263,11 @@ class DemoStream:
         ds = task_dataset(
             "train", data_cfg.cells("train"), data_cfg.train_seeds, source.shuffle_seed
         )
-        ds = ds.map(MakeDemo(source.detour_prob, source.shuffle_seed, source.max_guesses))
+        ds = ds.map(
+            MakeDemo(
+                source.detour_prob, source.shuffle_seed, source.max_guesses, source.learn_guesses
+            )
+        )
         read = grain.ReadOptions(
             num_threads=source.read_threads, prefetch_buffer_size=4 * batch_size
         )

@@ -75,6 +75,8 @@ class SFTConfig:
       detour_prob: probability of a detour (wrong edit, run, fix) before each expert fix.
       max_guesses: most wrong guesses in a row in a wrong-guess detour (>= 1; the expert's
         ``expert_plan_detours``).
+      learn_guesses: train on the wrong-guess detours instead of masking them
+        (``demos.demo_episode``): the model imitates a search over same-kind words.
       buckets: padded sequence lengths (one compiled step each); longer demos are dropped.
       read_threads: grain threads that play demonstrations while the step runs.
       log_every: steps between metric records.
@@ -98,6 +100,7 @@ class SFTConfig:
     curriculum_crop_len: int = 0
     detour_prob: float = 0.1
     max_guesses: int = 1
+    learn_guesses: bool = False
     buckets: tuple[int, ...] = (256, 320, 384)
     read_threads: int = 1
     log_every: int = 25
@@ -266,6 +269,7 @@ def _stream(cfg: SFTConfig, difficulties, seed_offset: int, crop_len: int = 0) -
         difficulties=difficulties,
         detour_prob=cfg.detour_prob,
         max_guesses=cfg.max_guesses,
+        learn_guesses=cfg.learn_guesses,
         buckets=cfg.buckets,
         shuffle_seed=cfg.seed + seed_offset,
         read_threads=cfg.read_threads,

@@ -37,10 +37,11 @@ def test_detours_are_failed_edits_or_rejected_calls_then_fixes():
     kinds = {"wrong_edit": 0, "slip": 0, "guess": 0, "variable_guess": 0}
     for seed in range(64):
         task = make_task(seed, 1)
-        plan, detours = expert_plan_detours(task, detour_prob=1.0, seed=seed)
+        plan, detours, guesses = expert_plan_detours(task, detour_prob=1.0, seed=seed)
         assert plan == expert_plan(task, detour_prob=1.0, seed=seed)
         policy = ExpertPolicy(task, detour_prob=1.0, seed=seed)
         assert policy.detour_turns == {k + 1 for k in detours}
+        assert policy.guess_turns == {k + 1 for k in guesses} and guesses <= detours
         ep = play_episode(env, task, policy)
         assert ep.success
         tools = [log["tool"] for log in ep.logs]
@@ -48,7 +49,8 @@ def test_detours_are_failed_edits_or_rejected_calls_then_fixes():
         assert len(detours) == 1
         (k,) = detours
         if ep.logs[k]["error"]:
-            kinds["slip"] += 1  # a sub of a word the line does not hold, then the fix
+            kinds["slip"] += 1
+            assert not guesses  # a sub of a word the line does not hold, then the fix
             assert tools[k] == "sub" and "has no" in ep.logs[k]["output"]
             assert tools[k + 1] in ("sub", "edit") and not ep.logs[k + 1]["error"]
         else:
@@ -64,6 +66,8 @@ def test_detours_are_failed_edits_or_rejected_calls_then_fixes():
             if same_kind and guessed != bug.mutated:
                 # a wrong guess: the bug's word replaced by another of its kind, then replaced
                 kinds["guess"] += 1
+                # (a wrong edit can look like one: only real guesses are listed)
+                assert guesses <= {k}, (seed, guesses)
                 if wrong in VARIABLES:  # a name the line could use, not a random one
                     kinds["variable_guess"] += 1
                     assert wrong in bound_names(task.original, bug.line), (seed, wrong)
@@ -71,6 +75,7 @@ def test_detours_are_failed_edits_or_rejected_calls_then_fixes():
                 assert tools[k + 1] == "run"
             else:
                 kinds["wrong_edit"] += 1
+                assert not guesses
                 assert tools[k : k + 3] == ["edit", "run", "edit"]
     assert min(kinds.values()) >= 2, kinds
     with pytest.raises(ValueError, match="detour_prob"):
@@ -84,9 +89,12 @@ def test_several_wrong_guesses_in_a_row_then_the_fix():
         task = make_task(seed, 1)
         one = expert_plan_detours(task, detour_prob=1.0, seed=seed)
         assert expert_plan_detours(task, detour_prob=1.0, seed=seed, max_guesses=1) == one
-        plan, detours = expert_plan_detours(task, detour_prob=1.0, seed=seed, max_guesses=3)
+        plan, detours, guesses = expert_plan_detours(
+            task, detour_prob=1.0, seed=seed, max_guesses=3
+        )
         policy = ExpertPolicy(task, detour_prob=1.0, seed=seed, max_guesses=3)
         assert policy.plan == plan and policy.detour_turns == {k + 1 for k in detours}
+        assert guesses <= detours and (len(detours) == 1 or guesses == detours)
         ep = play_episode(env, task, policy)
         assert ep.success and ep.n_turns <= task.config.max_turns, seed
         ks = sorted(detours)

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from agentrl_jax.envs.coderepair import CodeTokenizer
+from agentrl_jax.envs.coderepair import CodeTokenizer, ExpertPolicy, make_task
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.train.checkpoint import Checkpointer, restore_params, stage_dir
 from agentrl_jax.train.demos import DemoSource, bucket_length, crop_demo, demo_episode, pad_batch
@@ -200,6 +200,29 @@ def test_sft_loss_skips_detour_tokens():
     moved[:, :-1][detour[:, 1:]] += rng.normal(size=(int(detour[:, 1:].sum()), 40)) * 5
     loss2, _ = loss_fn(jnp.asarray(moved), {**batch, "detour_mask": detour}, 0.3)
     np.testing.assert_allclose(float(loss2), float(loss), rtol=1e-6)
+
+
+def test_learn_guesses_trains_on_wrong_guesses_only():
+    tok = CodeTokenizer()
+    n = 0
+    for seed in range(12):
+        spec = {"seed": seed, "difficulty": 1, "bug_types": ("logic",)}
+        kw = dict(detour_prob=1.0, detour_seed=seed, max_guesses=3)
+        masked = demo_episode(spec, tok, **kw)
+        learned = demo_episode(spec, tok, learn_guesses=True, **kw)
+        assert np.array_equal(masked["tokens"], learned["tokens"])
+        task = make_task(seed, 1, bug_types=("logic",))
+        policy = ExpertPolicy(task, tok, detour_prob=1.0, seed=seed, max_guesses=3)
+        guess = masked["action_mask"] & np.isin(masked["turn_ids"], sorted(policy.guess_turns))
+        # the guess turns move from the skipped detours to the trained fix turns; nothing else
+        assert np.array_equal(learned["detour_mask"], masked["detour_mask"] & ~guess)
+        assert np.array_equal(learned["fix_mask"], masked["fix_mask"] | guess)
+        assert not np.any(guess & ~masked["detour_mask"])
+        if guess.any():
+            n += 1
+            words = tok.to_words(learned["tokens"][guess])
+            assert words[0] == "<call>" and words[1] in ("edit", "sub")
+    assert n >= 3, n
 
 
 def test_demo_detour_mask_marks_only_detour_turns():

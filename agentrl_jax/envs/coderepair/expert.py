@@ -141,8 +141,9 @@ def expert_plan(
 
 def expert_plan_detours(
     task: Task, *, detour_prob: float = 0.0, seed: int = 0, max_guesses: int = 1
-) -> tuple[list[tuple[str, ...]], frozenset[int]]:
-    """The expert's tool calls (as word tuples) for ``task`` and the indices of detour calls.
+) -> tuple[list[tuple[str, ...]], frozenset[int], frozenset[int]]:
+    """The expert's tool calls (as word tuples) for ``task``, the indices of detour calls and of
+    those detours that are wrong guesses (a subset).
 
     The plan is played on a copy of the program with the environment's own tools, so the expert
     sees the cursor ``run`` sets and writes ``sub OLD NEW`` / ``edit <line>`` (no line id) when
@@ -168,11 +169,16 @@ def expert_plan_detours(
     registry = default_registry()
     plan: list[tuple[str, ...]] = []
     detours: set[int] = set()
+    guess_calls: set[int] = set()
 
-    def act(call: tuple[str, ...], detour: bool = False, rejected: bool = False) -> None:
+    def act(
+        call: tuple[str, ...], detour: bool = False, rejected: bool = False, guess: bool = False
+    ) -> None:
         call = _at_cursor(call, state.cursor)
         if detour:
             detours.add(len(plan))
+        if guess:
+            guess_calls.add(len(plan))
         plan.append(call)
         res = call_tool(registry, list(call), state, task.config.time_limit_s)
         if res.error != rejected:  # pragma: no cover - the expert's calls are valid by design
@@ -194,7 +200,7 @@ def expert_plan_detours(
             wrong = _wrong_line(rng, bug) if not guesses and rng.random() < 0.5 else None
             if guesses:
                 for guess in guesses:
-                    act(repair_call(bug.line, guess, state.lines[bug.line]), detour=True)
+                    act(repair_call(bug.line, guess, state.lines[bug.line]), True, guess=True)
                     act(("run",))
                 fix = repair_call(bug.line, bug.original, guess)
             elif wrong is not None:
@@ -206,7 +212,7 @@ def expert_plan_detours(
         act(fix)
         act(("run",))
     plan.append(("submit",))
-    return plan, frozenset(detours)
+    return plan, frozenset(detours), frozenset(guess_calls)
 
 
 class ExpertPolicy:
@@ -228,10 +234,11 @@ class ExpertPolicy:
         max_guesses: int = 1,
     ):
         self.tokenizer = tokenizer or CodeTokenizer()
-        self.plan, detours = expert_plan_detours(
+        self.plan, detours, guesses = expert_plan_detours(
             task, detour_prob=detour_prob, seed=seed, max_guesses=max_guesses
         )
         self.detour_turns = frozenset(k + 1 for k in detours)  # 1-based turn numbers
+        self.guess_turns = frozenset(k + 1 for k in guesses)  # the wrong-guess detour turns
         self.turn = 0
 
     def action_ids(self, words: tuple[str, ...]) -> list[int]:
