@@ -95,6 +95,10 @@ def get_config(arg=None):
     # 0.1-0.9, k_samples=32) 71.9% / 71.9%; entropy_coef=0.01 77.3% / 73.4%; the `repeated`
     # penalty alone (episode_process, 0.5) 75.8% / 74.2%; this config with seed=1 75.0% / 72.7%
     # (+2.3; +5.5 on the fresh tasks): the gain depends on the RL seed (README).
+    # Session 16: SFT with sft.learn_guesses=True, max_guesses=3 (the wrong guesses trained on):
+    # SFT 70.3% / 68.8%, RL 75.8% / 72.7% (+5.5); with detour_prob=0.5 69.5% -> 71.9% (+2.3).
+    # From the usual checkpoint: gigpo (step_std=False) 76.6% / 72.7% (+3.9); train.max_turns=10
+    # 71.1% / 73.4% (-1.6) (README).
     # With the wrong-guess detours in SFT (session 8; 128 held-out episodes, SFT
     # greedy / sampled 68.8% / 71.1%): this config 76.6% / 73.4% (+7.8 / +2.3), seed=1 and
     # seed=2 75.0% / 71.1% (+6.3 / +0.0); rl.lr=1e-3 71.1% / 73.4%; train.max_turns=10 69.5% /
