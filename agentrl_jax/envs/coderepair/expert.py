@@ -24,7 +24,9 @@ sometimes preceded by a detour of one of three kinds:
 A bug that admits a wrong guess gets one with probability 1/2, else each of the other two kinds
 with probability 1/4; otherwise the two others with 1/2 each. Detours show recovery from a failed
 or rejected call; ``ExpertPolicy.detour_turns`` lists them so behaviour cloning can learn the
-recovery (and, after a wrong guess, which alternatives are left) without imitating the mistake.
+recovery (and, after a wrong guess, which alternatives are left) without imitating the mistake;
+``ExpertPolicy.guess_turns`` lists the wrong guesses among them, for a behaviour cloning that
+imitates the search too (``demos.demo_episode(learn_guesses=True)``).
 """
 
 from __future__ import annotations
@@ -200,7 +202,8 @@ def expert_plan_detours(
             wrong = _wrong_line(rng, bug) if not guesses and rng.random() < 0.5 else None
             if guesses:
                 for guess in guesses:
-                    act(repair_call(bug.line, guess, state.lines[bug.line]), True, guess=True)
+                    call = repair_call(bug.line, guess, state.lines[bug.line])
+                    act(call, detour=True, guess=True)
                     act(("run",))
                 fix = repair_call(bug.line, bug.original, guess)
             elif wrong is not None:
