@@ -165,6 +165,7 @@ class RLRun:
         from agentrl_jax.envs.coderepair import CodeRepairEnv, CodeTokenizer, make_task
         from agentrl_jax.rollout.sampler import SamplingConfig
 
+        check_config(cfg)
         self.cfg = cfg
         self.run_dir = run_dir
         self.loop = to_dataclass(cfg.train, LoopConfig)
@@ -182,11 +183,6 @@ class RLRun:
             lambda inputs: get_advantage(self.loop.advantage)(inputs, **self.loop.advantage_kwargs)
         )
         self.batch_size = self.data_cfg.batch_size * self.data_cfg.group_size
-        if self.loop.greedy_member and self.data_cfg.group_size < 2:
-            raise ValueError(
-                f"train.greedy_member needs data.group_size >= 2, not {self.data_cfg.group_size} "
-                "(a group needs a sampled member)"
-            )
         self.controller = FallbackController(
             lambda p: make_update_fn(Transformer(self.model_cfg, p), self.rl_cfg, p, self.sampling),
             self.rl_cfg,
@@ -456,10 +452,40 @@ def _mode(result: dict, key: str) -> float:
     return float(result[_main_mode(result)][key])
 
 
+def check_config(cfg: ConfigDict) -> None:
+    """Builds every section the RL stage reads, so a bad value fails before SFT and evaluation.
+
+    Raises:
+      ValueError (or TypeError): the first bad section, named by its own message; a data
+        section whose train split has no tasks.
+    """
+    from agentrl_jax.data.pipeline import DataConfig
+    from agentrl_jax.rollout.sampler import SamplingConfig
+    from agentrl_jax.train.evaluate import EvalConfig
+
+    loop = to_dataclass(cfg.train, LoopConfig)
+    rl_config(cfg.rl)
+    to_dataclass(cfg.rollout, SamplingConfig)
+    to_dataclass(cfg.eval, EvalConfig)
+    data = to_dataclass(cfg.data, DataConfig)
+    if not data.cells("train"):
+        raise ValueError(
+            f"data: no training tasks at difficulties={data.difficulties} with "
+            f"bug_types={data.bug_types}: heldout_combo={data.heldout_combo} holds out every "
+            "combination (set data.heldout_combo=() to hold out none)"
+        )
+    if loop.greedy_member and data.group_size < 2:
+        raise ValueError(
+            f"train.greedy_member needs data.group_size >= 2, not {data.group_size} "
+            "(a group needs a sampled member)"
+        )
+
+
 def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None = None) -> dict:
     """Runs the main job; returns (and prints) the JSON summary."""
     from agentrl_jax.train.sft import SFTConfig, run_sft
 
+    check_config(cfg)
     t_start = time.perf_counter()
     if resume_dir:
         run_dir = os.path.abspath(resume_dir)

@@ -130,6 +130,26 @@ def test_greedy_member_leaves_a_sampled_member(tmp_path):
         RLRun(cfg, str(tmp_path), {}, resume=False)
 
 
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (
+            ['data.bug_types=("logic",)', 'data.heldout_combo=("logic",)'],
+            "no training tasks at difficulties=\\(0,\\) with bug_types=\\('logic',\\)",
+        ),
+        (["train.greedy_member=True", "data.group_size=1"], "greedy_member needs"),
+        (["rl.loss.clip_low=-1"], "clip_low"),
+        (["rollout.temperature=0"], "temperature"),
+    ],
+)
+def test_bad_rl_config_fails_before_sft(tmp_path, overrides, match):
+    """A section only the RL stage reads is checked before SFT runs or a run dir is made."""
+    cfg = load_config(SMOKE, [f"workdir={tmp_path}", *overrides])
+    with pytest.raises(ValueError, match=match):
+        run(cfg, progress=False)
+    assert os.listdir(tmp_path) == []
+
+
 def test_kl_to_reference_uses_the_start_params(tmp_path):
     """loss.kl_coef > 0: the loop feeds the frozen start params' logprobs as the KL reference."""
     cfg = load_config(
