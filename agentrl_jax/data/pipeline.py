@@ -199,7 +199,10 @@ class TaskPipeline:
             raise ValueError(f"split={split!r} must be one of {SPLITS}")
         cells = config.cells(split)
         if not cells:
-            raise ValueError(f"split={split!r} has no tasks at difficulties={config.difficulties}")
+            raise ValueError(
+                f"split={split!r} has no tasks at difficulties={config.difficulties} with "
+                f"bug_types={config.bug_types} and heldout_combo={config.heldout_combo}"
+            )
         self.config = config
         self.split = split
         self.adaptive = (split == "train") if adaptive is None else bool(adaptive)

@@ -87,6 +87,9 @@ def test_deterministic_per_seed_and_split_ranges():
     assert {len(b) for _, d, b, _ in _keys(a) if d == 2} == {2}  # bugs_per_difficulty[2] == 2
     with pytest.raises(ValueError, match="split"):
         TaskPipeline(DataConfig(**SMALL), "test")
+    # one bug per task at difficulty 1: no task holds both held-out types
+    with pytest.raises(ValueError, match="no tasks at difficulties=\\(1,\\) with bug_types="):
+        TaskPipeline(DataConfig(difficulties=(1,)), "heldout_combo")
 
 
 def test_bug_types_balanced_within_batches():
