@@ -78,7 +78,7 @@ def get_config(arg=None):
     # 16 task groups per step, one optimiser step per rollout batch, per-sequence loss
     # aggregation, negative advantages at half weight. On 512 held-out tasks (session 17) this
     # took session 14's SFT checkpoint from 74.0% to 78.3% greedy (+4.3 +- 1.4 paired) and
-    # 71.1% to 75.4% sampled; on its first 128 tasks it had read +6.3, with RL seed 1 +2.3. The
+    # 71.1% to 75.4% sampled (RL seed 1: +0.8 +- 1.1); its first 128 tasks had read +6.3. The
     # variants measured since session 7 (more steps, groups of 8, GiGPO, KL, entropy bonus,
     # process penalties, learning rates, turn limits, stratum and bug-type selection, deeper or
     # wider-headed models, SFT variants) gained no more: the README's "What the default run
