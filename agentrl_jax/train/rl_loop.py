@@ -453,7 +453,8 @@ def _mode(result: dict, key: str) -> float:
 
 
 def check_config(cfg: ConfigDict) -> None:
-    """Builds every section the RL stage reads, so a bad value fails before SFT and evaluation.
+    """Builds every section the main job reads, so a bad value fails before a run directory,
+    SFT or an evaluation.
 
     Raises:
       ValueError (or TypeError): the first bad section, named by its own message; a data
@@ -462,7 +463,11 @@ def check_config(cfg: ConfigDict) -> None:
     from agentrl_jax.data.pipeline import DataConfig
     from agentrl_jax.rollout.sampler import SamplingConfig
     from agentrl_jax.train.evaluate import EvalConfig
+    from agentrl_jax.train.sft import SFTConfig
 
+    to_dataclass(cfg.model, ModelConfig)
+    get_policy(cfg.policy)
+    to_dataclass(cfg.sft, SFTConfig)
     loop = to_dataclass(cfg.train, LoopConfig)
     rl_config(cfg.rl)
     to_dataclass(cfg.rollout, SamplingConfig)

@@ -140,10 +140,12 @@ def test_greedy_member_leaves_a_sampled_member(tmp_path):
         (["train.greedy_member=True", "data.group_size=1"], "greedy_member needs"),
         (["rl.loss.clip_low=-1"], "clip_low"),
         (["rollout.temperature=0"], "temperature"),
+        (["model.n_layers=3"], "multiple of len\\(layer_pattern\\)"),
+        (["sft.steps=0"], "steps"),
     ],
 )
-def test_bad_rl_config_fails_before_sft(tmp_path, overrides, match):
-    """A section only the RL stage reads is checked before SFT runs or a run dir is made."""
+def test_bad_config_fails_before_sft(tmp_path, overrides, match):
+    """Every section is checked before SFT runs or a run dir is made."""
     cfg = load_config(SMOKE, [f"workdir={tmp_path}", *overrides])
     with pytest.raises(ValueError, match=match):
         run(cfg, progress=False)
