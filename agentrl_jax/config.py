@@ -172,6 +172,8 @@ def _coerce(key: str, old: Any, value: Any) -> Any:
         return float(value)
     if isinstance(old, tuple) and isinstance(value, list):
         value = tuple(value)
+    if isinstance(old, list) and isinstance(value, tuple):  # a config read back from JSON
+        value = list(value)
     if isinstance(old, str) and not isinstance(value, str):
         value = str(value)
     if type(value) is not type(old):

@@ -410,7 +410,7 @@ def run_from_cli(args: argparse.Namespace) -> int:
     Raises:
       ValueError: no run directory / checkpoint, bad split or difficulty.
     """
-    from agentrl_jax.config import load_config, to_dataclass
+    from agentrl_jax.config import ConfigDict, apply_overrides, load_config, to_dataclass
     from agentrl_jax.metrics import load_config_json
     from agentrl_jax.model.config import ModelConfig
     from agentrl_jax.model.transformer import init_params
@@ -419,10 +419,11 @@ def run_from_cli(args: argparse.Namespace) -> int:
 
     path = args.run_dir_or_checkpoint
     run_dir = _find_run_dir(path)
+    overrides = list(getattr(args, "set", None) or [])
     if getattr(args, "spec", None):
-        cfg_dict = load_config(args.spec, list(getattr(args, "set", None) or [])).to_dict()
-    else:
-        cfg_dict = load_config_json(run_dir)
+        cfg_dict = load_config(args.spec, overrides).to_dict()
+    else:  # the run's own config, with --set applied to it
+        cfg_dict = apply_overrides(ConfigDict(load_config_json(run_dir)), overrides).to_dict()
     model_cfg = to_dataclass(cfg_dict["model"], ModelConfig)
     model = Transformer(model_cfg, get_policy(cfg_dict.get("policy", "fp32")))
     template = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))

@@ -187,6 +187,13 @@ def test_cli_on_run_dir(tiny, tmp_path, capsys):
     assert out["step"] == 3 and out["split"] == "heldout" and out["difficulty"] == 0
     assert set(out["greedy"]) == set(RESULT_KEYS) and "sampled" not in out
     assert out["seed"] == EVAL.seed
+    # --set without --config overrides the run's own config
+    sampled = argparse.Namespace(**{**vars(args), "set": ["eval.modes=('sampled',)"]})
+    assert run_from_cli(sampled) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "sampled" in out and "greedy" not in out
+    with pytest.raises(ValueError, match="unknown config key 'eval.mode'"):
+        run_from_cli(argparse.Namespace(**{**vars(args), "set": ["eval.mode=('sampled',)"]}))
     # --seed: another task set of the same split (no task in common with the default one)
     assert run_from_cli(argparse.Namespace(**{**vars(args), "seed": 7})) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["seed"] == 7
