@@ -265,7 +265,10 @@ class DemoStream:
         )
         ds = ds.map(
             MakeDemo(
-                source.detour_prob, source.shuffle_seed, source.max_guesses, source.learn_guesses
+                detour_prob=source.detour_prob,
+                detour_seed=source.shuffle_seed,
+                max_guesses=source.max_guesses,
+                learn_guesses=source.learn_guesses,
             )
         )
         read = grain.ReadOptions(
