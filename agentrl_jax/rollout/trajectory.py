@@ -197,6 +197,28 @@ class EpisodeRecord:
             self.routes[start : start + len(routes)] = routes
 
 
+def episode_record(
+    episode, *, uid: int, group_id: int, process_weights: dict[str, float] | None = None
+) -> EpisodeRecord:
+    """An ``EpisodeRecord`` of an episode played outside the sampler (``envs.episode.Episode``,
+    e.g. a scripted expert's): process signals weighted as ``run_episodes`` weighs them (1.0 per
+    missing key) on each turn's last action token; rollout logprobs 0 (the caller fills them)."""
+    weights = process_weights or {}
+    rec = EpisodeRecord(uid=uid, task_index=uid, group_id=group_id)
+    rec.tokens = [int(t) for t in episode.tokens]
+    rec.action = [bool(a) for a in episode.action_mask]
+    rec.turn_ids = [int(t) for t in episode.turn_ids]
+    rec.logprobs = [0.0] * len(rec.tokens)
+    for end, signals in zip(episode.turn_ends, episode.process, strict=True):
+        rec.process[int(end)] = float(sum(weights.get(k, 1.0) * v for k, v in signals.items()))
+    rec.outcome = float(episode.outcome_reward)
+    rec.success = bool(episode.success)
+    rec.goal_adhered = bool(episode.goal_adhered)
+    rec.done = bool(episode.done)
+    rec.truncated = not episode.done
+    return rec
+
+
 def stack_episodes(
     records: list[EpisodeRecord],
     *,

@@ -82,6 +82,15 @@ class LoopConfig:
         succeed gets a negative advantage. Its logprobs are the untempered policy's, like every
         rollout's. One at most: two greedy members would play the same episode. Needs
         ``data.group_size >= 2``.
+      guide_groups: off-policy guidance (LUFFY-style, 0 = off): in up to this many groups per
+        step whose sampled members all failed, the first member's episode is replaced by the
+        scripted expert's on the same task (``envs.coderepair.ExpertPolicy``, no detours). Its
+        reward makes the group informative, so the expert's turns get a positive group-baselined
+        advantage and the failed members a negative one. The expert's "rollout" logprobs are
+        the current policy's teacher-forced ones (importance ratio 1 at the update's first
+        epoch). Step metrics (``success``, ``reward``, ...) and the task pipeline's difficulty
+        estimates see the sampled episodes only; ``guided_groups`` counts the replacements.
+        Dense models only (a scripted episode has no recorded MoE routes).
     """
 
     rl_steps: int = 40
@@ -96,9 +105,10 @@ class LoopConfig:
     log_tool_calls: bool = True
     eval_before: bool = True
     greedy_member: bool = False
+    guide_groups: int = 0
 
     def __post_init__(self):
-        for name in ("rl_steps", "max_turns", "eval_every", "ckpt_every"):
+        for name in ("rl_steps", "max_turns", "eval_every", "ckpt_every", "guide_groups"):
             if getattr(self, name) < (1 if name in ("max_turns", "ckpt_every") else 0):
                 raise ValueError(f"LoopConfig.{name}={getattr(self, name)} is out of range")
         get_advantage(self.advantage)  # ValueError lists the registered names
@@ -201,6 +211,8 @@ class RLRun:
             functools.partial(_ref_logprobs, self.model_cfg, self.sampling), static_argnums=0
         )
         self._attn_mass = jax.jit(functools.partial(_attn_mass, self.model_cfg), static_argnums=0)
+        self._guided: dict[int, dict] = {}  # train.guide_groups, per step (see step())
+        self._guides_left = 0
         self.start_step = 0
         if resume and self.ckpt.latest_step() is not None:
             self._restore()
@@ -278,21 +290,54 @@ class RLRun:
             idx = np.arange(i * g, (i + 1) * g)
             rows = _rows(traj, idx)
             rows["greedy"] = greedy
+            rows["guided"] = np.zeros(g, bool)
             store.append(rows)
+            rewards = [float(r) for r in rows["outcome_reward"]]
+            if self._guides_left > 0 and not rows["success"].any():
+                guided = self._guided_rows(items[i]["task"], rows, group_id=i)
+                if guided is not None:  # train.guide_groups
+                    self._guided[len(store) - 1] = guided
+                    self._guides_left -= 1
+                    rewards[0] = float(guided["outcome_reward"][0])
             groups.append(
                 {
-                    "rewards": [float(r) for r in rows["outcome_reward"]],
-                    "success": [bool(s) for s in rows["success"]],
+                    "rewards": rewards,  # with the expert's: decides whether the group is kept
+                    "success": [bool(s) for s in rows["success"]],  # sampled: the estimates
                     "rows": len(store) - 1,
                 }
             )
         return groups
+
+    def _guided_rows(self, task, rows: dict, group_id: int) -> dict | None:
+        """A copy of a group's rows (padded to ``max_len``) whose first member is the scripted
+        expert's episode on ``task``; None when the expert does not succeed within the turn and
+        token limits."""
+        from agentrl_jax.envs.coderepair import ExpertPolicy
+        from agentrl_jax.envs.episode import play_episode
+        from agentrl_jax.rollout.trajectory import episode_record, stack_episodes
+
+        policy = ExpertPolicy(task, self.tokenizer)
+        ep = play_episode(self.env_factory(), task, policy, max_turns=self.loop.max_turns)
+        if not ep.success or ep.n_tokens > self.sampling.max_len:
+            return None
+        rec = episode_record(
+            ep, uid=0, group_id=group_id, process_weights=self.loop.process_weights
+        )
+        kv = "kv_evict_at" in rows
+        one = _rows(stack_episodes([rec], pad_to=self.sampling.max_len, kv_masks=kv), [0])
+        out = _concat([rows], self.sampling.max_len)
+        for key, value in one.items():
+            out[key][0] = value[0]
+        out["guided"] = np.arange(len(out["guided"])) == 0
+        return out
 
     def step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         store: list[dict] = []
         rounds = [0]
         self._calls = [0, 0]  # model turns, turns answered by an error (this step's rollouts)
+        self._guided = {}  # store index -> its rows with the expert's episode
+        self._guides_left = self.loop.guide_groups
 
         def rollout_fn(items):
             out = self._rollout(step, items, rounds[0], store)
@@ -308,12 +353,21 @@ class RLRun:
                 break
             if i not in used:
                 used.append(i)
-        parts = [store[i] for i in used]
+        parts = [self._guided.get(i, store[i]) for i in used]
         for j, p in enumerate(parts):
             p["group_ids"] = np.full_like(p["group_ids"], j)
         t_roll = time.perf_counter() - t0
         batch = _concat(parts, self.sampling.max_len)
         dev = {k: jnp.asarray(batch[k]) for k in ("tokens", "valid", "action_mask", "turn_ids")}
+        guided = np.nonzero(batch["guided"])[0]
+        if len(guided):  # the expert's tokens under the current policy: ratio 1 at epoch one
+            pick = np.resize(guided, self.loop.guide_groups)  # one shape, one compile
+            logp = self._ref_logprobs(
+                self.controller.active, self.state.params, dev["tokens"][pick], dev["valid"][pick]
+            )
+            batch["rollout_logprobs"][guided] = np.where(
+                batch["action_mask"][guided], np.asarray(logp)[: len(guided)], 0.0
+            )
         attn_credit = None
         if self.loop.advantage == "attn_credit":  # attention mass of the current policy
             attn_credit = self._attn_mass(
@@ -380,6 +434,8 @@ class RLRun:
                 ),
             }
         )
+        if self.loop.guide_groups:
+            metrics["guided_groups"] = float(len(guided))
         if all_rows["greedy"].any():  # train.greedy_member
             metrics["greedy_member_success"] = float(all_rows["success"][all_rows["greedy"]].mean())
         metrics.update({k: float(v) for k, v in memory_metrics().items() if v is not None})
@@ -483,6 +539,11 @@ def check_config(cfg: ConfigDict) -> None:
         raise ValueError(
             f"train.greedy_member needs data.group_size >= 2, not {data.group_size} "
             "(a group needs a sampled member)"
+        )
+    if loop.guide_groups and to_dataclass(cfg.model, ModelConfig).is_moe:
+        raise ValueError(
+            f"train.guide_groups={loop.guide_groups} needs a dense model: a scripted expert "
+            "episode has no MoE routes to replay or compare"
         )
 
 

@@ -53,3 +53,30 @@ def test_history_state_ids_hand_built():
 def test_history_state_ids_rejects_bad_shapes():
     with pytest.raises(ValueError, match="must be equal"):
         history_state_ids(np.zeros((2, 4)), np.zeros((2, 3), bool), np.zeros((2, 4)))
+
+
+def test_episode_record_of_a_played_episode():
+    """An expert's played episode becomes a trajectory row like a sampled one: same token
+    stream and masks, process signals weighted on each turn's last action token."""
+    from agentrl_jax.envs.coderepair import CodeRepairEnv, CodeTokenizer, ExpertPolicy, make_task
+    from agentrl_jax.envs.episode import play_episode
+    from agentrl_jax.rollout.trajectory import episode_record, stack_episodes
+
+    tok = CodeTokenizer()
+    task = make_task(3, 1)
+    ep = play_episode(CodeRepairEnv(tok), task, ExpertPolicy(task, tok, detour_prob=1.0, seed=2))
+    weights = {"tests": 2.0, "rejected": 0.5}
+    rec = episode_record(ep, uid=7, group_id=3, process_weights=weights)
+    traj = stack_episodes([rec], pad_to=ep.n_tokens + 5)
+    n = ep.n_tokens
+    np.testing.assert_array_equal(traj.tokens[0, :n], ep.tokens)
+    np.testing.assert_array_equal(traj.action_mask[0, :n], ep.action_mask)
+    np.testing.assert_array_equal(traj.turn_ids[0, :n], ep.turn_ids)
+    assert traj.valid[0].sum() == n and (traj.turn_ids[0, n:] == -1).all()
+    want = np.zeros(n + 5, np.float32)
+    for end, sig in zip(ep.turn_ends, ep.process):
+        want[end] = sum(weights.get(k, 1.0) * v for k, v in sig.items())
+    assert np.abs(want).sum() > 0  # the fix moved the tests signal
+    np.testing.assert_allclose(traj.process_rewards[0], want, rtol=1e-6)
+    assert traj.success[0] and traj.outcome_reward[0] == 1.0 and not traj.truncated[0]
+    assert traj.group_ids[0] == 3 and (traj.rollout_logprobs[0] == 0).all()

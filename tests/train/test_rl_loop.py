@@ -173,3 +173,77 @@ def test_kl_to_reference_uses_the_start_params(tmp_path):
     # the reference is the start params, untouched by the (donating) updates
     for x, y in zip(jax.tree.leaves(start), jax.tree.leaves(run_.ref_params)):
         np.testing.assert_array_equal(x, np.asarray(y))
+
+
+def test_guide_groups_put_the_expert_in_failed_groups(tmp_path):
+    """train.guide_groups: a group whose sampled members all failed gets the scripted expert's
+    episode as its first member, with the current policy's logprobs and a positive advantage;
+    step metrics and difficulty estimates still see only the sampled episodes."""
+    from agentrl_jax.envs.coderepair import ExpertPolicy
+    from agentrl_jax.envs.episode import play_episode
+    from agentrl_jax.train.rl_loop import _ref_logprobs
+
+    cfg = load_config(
+        SMOKE,
+        ["train.sft=False", "train.eval_before=False", "train.guide_groups=2", "train.max_turns=6"],
+    )
+    model_cfg = ModelConfig(**cfg.model.to_dict())
+    params = init_params(Transformer(model_cfg, get_policy(cfg.policy)), jax.random.key(0))
+    run_ = RLRun(cfg, str(tmp_path), params, resume=False)
+    start = jax.tree.map(np.array, run_.state.params)
+    seen = {}
+    controller = run_.controller
+
+    def spy(state, batch, rng):
+        seen.update(batch)
+        return controller(state, batch, rng)
+
+    run_.controller = spy
+    run_.controller.active = controller.active  # the loop reads the active dtype policy
+    tasks = []
+    real_rollout = run_._rollout
+
+    def record_tasks(step, items, round_index, store):
+        tasks.extend(it["task"] for it in items)
+        return real_rollout(step, items, round_index, store)
+
+    run_._rollout = record_tasks
+    metrics = run_.step(0)
+    # an untrained policy fails every episode, so both groups of the batch are guided
+    assert metrics["guided_groups"] == 2.0
+    assert metrics["success"] == 0.0 and metrics["reward"] == 0.0
+    assert all(r == 0.0 for r in run_.pipeline.tracker.rates.values())
+    g = cfg.data.group_size
+    for j in range(2):
+        row = j * g
+        task = tasks[j]  # no refill round: the first round's groups fill the batch in order
+        ep = play_episode(run_.env_factory(), task, ExpertPolicy(task, run_.tokenizer))
+        n = ep.n_tokens
+        np.testing.assert_array_equal(seen["tokens"][row, :n], ep.tokens)
+        assert not seen["valid"][row, n:].any()
+        act = seen["action_mask"][row]
+        assert act.sum() == ep.action_mask.sum() > 0
+        assert (seen["advantages"][row][act] > 0).all()
+        assert (seen["advantages"][row + 1][seen["action_mask"][row + 1]] < 0).all()
+        want = _ref_logprobs(
+            model_cfg,
+            run_.sampling,
+            controller.active,
+            start,
+            seen["tokens"][row : row + 1],
+            seen["valid"][row : row + 1],
+        )
+        np.testing.assert_allclose(
+            seen["rollout_logprobs"][row][act], np.asarray(want)[0][act], rtol=1e-5, atol=1e-5
+        )
+        assert (seen["rollout_logprobs"][row][~act] == 0).all()
+
+
+def test_guide_groups_need_a_dense_model(tmp_path):
+    cfg = load_config(
+        SMOKE,
+        [f"workdir={tmp_path}", "train.guide_groups=1", "model.n_experts=4"],
+    )
+    with pytest.raises(ValueError, match="guide_groups=1 needs a dense model"):
+        run(cfg, progress=False)
+    assert os.listdir(tmp_path) == []
