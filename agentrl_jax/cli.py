@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         "type and subtype)",
     )
     p.add_argument(
+        "--transcripts",
+        default=None,
+        metavar="PATH",
+        help="write every episode's bugs, outcome and tool calls to this new JSONL file",
+    )
+    p.add_argument(
         "--config", dest="spec", default=None, help="experiment spec (default: the run's config)"
     )
     _add_set(p)

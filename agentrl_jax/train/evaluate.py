@@ -24,8 +24,10 @@ the policy (RL on its own samples) has at most.
 ``eval_tasks(split, difficulty, n)`` is the fixed evaluation set: the first ``n`` tasks of a fresh
 ``data.TaskPipeline`` over ``split`` (bug types balanced round-robin; another ``seed``, another
 set). ``run_from_cli`` backs ``agentrl eval <run_dir or checkpoint> [--split heldout]
-[--difficulty 1] [--episodes N] [--seed S] [--pass-k K]`` and prints one JSON object with a
-``greedy`` and a ``sampled`` section (and ``pass_at_k`` with ``--pass-k``).
+[--difficulty 1] [--episodes N] [--seed S] [--pass-k K] [--transcripts PATH]`` and prints one
+JSON object with a ``greedy`` and a ``sampled`` section (and ``pass_at_k`` with ``--pass-k``);
+``--transcripts`` writes every episode's bugs, outcome and turns (``transcripts``) to a new JSONL
+file, one line per episode and mode.
 
 ``paired_gain(before, after)`` compares two results on the same tasks (e.g. before and after RL):
 the success difference, its paired standard error, and how many tasks each side alone solved.
@@ -185,6 +187,42 @@ def summarize(traj, tasks: Sequence[Any], *, greedy: bool) -> dict[str, Any]:
     }
 
 
+def transcripts(traj, tasks: Sequence[Any]) -> list[dict[str, Any]]:
+    """One JSON-able record per episode of ``traj`` (played on ``tasks``, same order): ``index``,
+    ``task_seed``, ``difficulty``, ``bugs`` (type, subtype, line, original and mutated line, the
+    expert's fix), ``success``, ``truncated``, ``goal_adhered`` and ``turns``: every model turn's
+    ``tool``, ``args``, the environment's ``output`` and ``error``."""
+    turns: list[list[dict[str, Any]]] = [[] for _ in tasks]
+    for rec in traj.logs:
+        turns[rec["episode"]].append({k: rec[k] for k in ("tool", "args", "output", "error")})
+    out = []
+    for i, task in enumerate(tasks):
+        bugs = [
+            {
+                "type": b.type,
+                "subtype": b.subtype,
+                "line": b.line,
+                "original": " ".join(b.original),
+                "mutated": " ".join(b.mutated),
+                "fix": " ".join(b.fix),
+            }
+            for b in task.bugs
+        ]
+        out.append(
+            {
+                "index": i,
+                "task_seed": task.seed,
+                "difficulty": task.difficulty,
+                "bugs": bugs,
+                "success": bool(traj.success[i]),
+                "truncated": bool(traj.truncated[i]),
+                "goal_adhered": bool(traj.goal_adhered[i]),
+                "turns": turns[i],
+            }
+        )
+    return out
+
+
 def paired_gain(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Success of ``after`` minus ``before`` on the same tasks, with its paired standard error.
 
@@ -234,6 +272,7 @@ def evaluate(
     greedy: bool = True,
     cfg: EvalConfig = EvalConfig(),
     rng: jax.Array | None = None,
+    with_transcripts: bool = False,
 ) -> dict[str, Any]:
     """Plays one episode per task with the model (its own dtype policy) and summarises them.
 
@@ -244,9 +283,11 @@ def evaluate(
       greedy: argmax decoding, else sampling at ``cfg.temperature``.
       cfg: cache / batching settings (``split``, ``difficulty``, ``n_episodes`` are ignored).
       rng: sampling key (default ``jax.random.key(cfg.seed)``).
+      with_transcripts: also return every episode's record (``transcripts``) under the key
+        ``"transcripts"``.
 
     Returns:
-      The result dict (keys ``RESULT_KEYS``).
+      The result dict (keys ``RESULT_KEYS``, plus ``"transcripts"`` if asked for).
 
     Raises:
       ValueError: empty ``tasks``.
@@ -277,7 +318,10 @@ def evaluate(
         n_slots=min(cfg.n_slots, len(tasks)),
         max_turns=max_turns,
     )
-    return summarize(traj, tasks, greedy=greedy)
+    result = summarize(traj, tasks, greedy=greedy)
+    if with_transcripts:
+        result["transcripts"] = transcripts(traj, tasks)
+    return result
 
 
 def pass_at_estimates(successes: np.ndarray, j: int) -> np.ndarray:
@@ -343,15 +387,25 @@ def pass_at_k(
     }
 
 
-def evaluate_split(model: Transformer, params: Any, cfg: EvalConfig) -> dict[str, Any]:
+def evaluate_split(
+    model: Transformer, params: Any, cfg: EvalConfig, *, with_transcripts: bool = False
+) -> dict[str, Any]:
     """Runs every mode of ``cfg.modes`` on ``eval_tasks(cfg.split, cfg.difficulty, ...)``.
 
-    Returns ``{"split", "difficulty", "<mode>": result dict, ...}``.
+    Returns ``{"split", "difficulty", "<mode>": result dict, ...}`` (see ``evaluate`` for
+    ``with_transcripts``).
     """
     tasks = eval_tasks(cfg.split, cfg.difficulty, cfg.n_episodes, seed=cfg.seed)
     out: dict[str, Any] = {"split": cfg.split, "difficulty": cfg.difficulty}
     for mode in cfg.modes:
-        out[mode] = evaluate(model, params, tasks, greedy=mode == "greedy", cfg=cfg)
+        out[mode] = evaluate(
+            model,
+            params,
+            tasks,
+            greedy=mode == "greedy",
+            cfg=cfg,
+            with_transcripts=with_transcripts,
+        )
     return out
 
 
@@ -419,6 +473,11 @@ def run_from_cli(args: argparse.Namespace) -> int:
 
     path = args.run_dir_or_checkpoint
     run_dir = _find_run_dir(path)
+    transcript_path = getattr(args, "transcripts", None)
+    if transcript_path and os.path.exists(transcript_path):
+        raise ValueError(f"--transcripts {transcript_path!r} exists; it would be overwritten")
+    if transcript_path and not os.path.isdir(os.path.dirname(os.path.abspath(transcript_path))):
+        raise ValueError(f"--transcripts {transcript_path!r}: its directory does not exist")
     overrides = list(getattr(args, "set", None) or [])
     if getattr(args, "spec", None):
         cfg_dict = load_config(args.spec, overrides).to_dict()
@@ -431,7 +490,12 @@ def run_from_cli(args: argparse.Namespace) -> int:
     params, step = restore_params(ckpt, template)
     cfg = _eval_config(cfg_dict, args)
     result = {"checkpoint": ckpt, "step": step, "seed": cfg.seed}
-    result.update(evaluate_split(model, params, cfg))
+    result.update(evaluate_split(model, params, cfg, with_transcripts=bool(transcript_path)))
+    if transcript_path:
+        with open(transcript_path, "x") as f:
+            for mode in cfg.modes:
+                for rec in result[mode].pop("transcripts"):
+                    f.write(json.dumps({"mode": mode, **rec}) + "\n")
     k = getattr(args, "pass_k", None)
     if k:
         tasks = eval_tasks(cfg.split, cfg.difficulty, cfg.n_episodes, seed=cfg.seed)
@@ -452,4 +516,5 @@ __all__ = [
     "pass_at_k",
     "run_from_cli",
     "summarize",
+    "transcripts",
 ]

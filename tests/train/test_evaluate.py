@@ -206,3 +206,23 @@ def test_cli_on_run_dir(tiny, tmp_path, capsys):
     assert not default_tasks & {t.seed for t in eval_tasks("heldout", 0, 3, seed=7)}
     with pytest.raises(ValueError, match="run directory"):
         run_from_cli(argparse.Namespace(**{**vars(args), "run_dir_or_checkpoint": "/nonexistent"}))
+    # --transcripts: one line per episode with its bugs, outcome and every tool call
+    path = tmp_path / "calls.jsonl"
+    assert run_from_cli(argparse.Namespace(**{**vars(args), "transcripts": str(path)})) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "transcripts" not in out["greedy"]  # the printed line stays a summary
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    tasks = eval_tasks("heldout", 0, 3, seed=EVAL.seed)
+    assert [r["index"] for r in recs] == [0, 1, 2] and {r["mode"] for r in recs} == {"greedy"}
+    assert [r["task_seed"] for r in recs] == [t.seed for t in tasks]
+    assert [r["success"] for r in recs] == [bool(x) for x in out["greedy"]["episode_success"]]
+    for r, t in zip(recs, tasks):
+        assert r["bugs"][0]["line"] == t.bugs[0].line and r["bugs"][0]["type"] == t.bugs[0].type
+        assert 1 <= len(r["turns"]) and set(r["turns"][0]) == {"tool", "args", "output", "error"}
+    assert sum(len(r["turns"]) for r in recs) == round(out["greedy"]["mean_turns"] * 3)
+    before = path.read_text()
+    with pytest.raises(ValueError, match="exists; it would be overwritten"):
+        run_from_cli(argparse.Namespace(**{**vars(args), "transcripts": str(path)}))
+    assert path.read_text() == before
+    with pytest.raises(ValueError, match="directory does not exist"):
+        run_from_cli(argparse.Namespace(**{**vars(args), "transcripts": str(tmp_path / "x/y")}))
