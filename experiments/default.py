@@ -80,9 +80,9 @@ def get_config(arg=None):
     # took session 14's SFT checkpoint from 74.0% to 78.3% greedy (+4.3 +- 1.4 paired) and
     # 71.1% to 75.4% sampled (RL seed 1: +0.8 +- 1.1); its first 128 tasks had read +6.3. The
     # variants measured since session 7 (more steps, groups of 8, GiGPO, KL, entropy bonus,
-    # process penalties, learning rates, turn limits, stratum and bug-type selection, deeper or
-    # wider-headed models, SFT variants) gained no more: the README's "What the default run
-    # learns" section has each run's numbers.
+    # process penalties, learning rates, turn limits, stratum and bug-type selection, expert
+    # guidance, deeper or wider-headed models, SFT variants) gained no more: the README's
+    # status section sums them up and its experiment log has each run's numbers.
     tr = cfg.train
     tr.rl_steps = 50
     tr.advantage = "grpo"

@@ -84,6 +84,30 @@ def test_repeated_rejected_call(env):
     assert env.step(call(env, "sub L0 // a"))[1].process["repeated"] == 0.0
 
 
+def test_revisit_marks_an_edit_back_to_an_earlier_program(env):
+    """``revisit`` fires on an accepted edit that restores a program version of this episode
+    (the start included), not on a new version, a run or a rejected call."""
+    task = make_task(3, 1, bug_types=("logic",))
+    env.reset(task)
+    k = task.bugs[0].line
+    line = " ".join(task.lines[k])
+    steps = [
+        f"edit L{k} {line} + 1",  # new version
+        "run",
+        f"edit L{k} {line} + 2",  # another new version
+        f"edit L{k} {line} + 1",  # back to the first edit's version
+        f"edit L{k} {line}",  # back to the start
+        f"edit L{k} {line}",  # no change: refused, not a revisit
+        f"edit L{k} {line} + 3",
+    ]
+    got = [env.step(call(env, a))[1] for a in steps]
+    assert [r.log["error"] for r in got] == [False] * 5 + [True, False]
+    assert [r.process["revisit"] for r in got] == [0.0, 0.0, 0.0, -1.0, -1.0, 0.0, 0.0]
+    env.reset(task)  # a new episode forgets the versions (but knows its start)
+    assert env.step(call(env, f"edit L{k} {line} + 1"))[1].process["revisit"] == 0.0
+    assert env.step(call(env, f"edit L{k} {line}"))[1].process["revisit"] == -1.0
+
+
 def test_no_change_edit_and_sub_are_refused(env):
     """An edit writing the line already there, or a sub of a word by itself, changes nothing and
     is refused (``same Lk``, rejected); a real change is accepted and then the same call again

@@ -24,7 +24,10 @@ changed the program, relative to the program before it:
     call, or a tool that refused it, e.g. a ``sub`` of a word the line does not hold);
   * ``repeated``: -1 when the turn is rejected and the same call (the same words) was already
     rejected earlier in the episode (greedy decoding's failure mode: one refused call, again
-    and again).
+    and again);
+  * ``revisit``: -1 when an accepted edit turns the program back into a version it already had
+    in this episode, the starting one included (the edit loop ``sub - +``, ``run``,
+    ``sub + -``, ``run``, ... that tries nothing new).
 The outcome reward (final step only) is 1.0 iff every test, hidden ones included, passes at
 ``submit`` and the rule is kept. ``log["goal_adhered"]`` is set on the final step.
 """
@@ -40,7 +43,7 @@ from agentrl_jax.envs.coderepair.task import Task
 from agentrl_jax.envs.coderepair.tokenizer import CodeTokenizer
 from agentrl_jax.envs.coderepair.tools import RepairState, constraint_kept, default_registry
 
-PROCESS_KEYS = ("parse", "error_classes", "tests", "rejected", "repeated")
+PROCESS_KEYS = ("parse", "error_classes", "tests", "rejected", "repeated", "revisit")
 
 
 def _zero_process() -> dict[str, float]:
@@ -76,6 +79,7 @@ class CodeRepairEnv:
         self.done = True
         self._eval: Evaluation | None = None
         self._rejected: set[tuple[str, ...] | None] = set()
+        self._versions: set[tuple[tuple[str, ...], ...]] = set()  # programs seen this episode
 
     def reset(self, task: Task) -> list[int]:
         """Starts ``task``; returns ``<bos> <obs> prompt </obs>`` ids."""
@@ -83,6 +87,7 @@ class CodeRepairEnv:
         self.turn = 0
         self.done = False
         self._rejected = set()
+        self._versions = {tuple(tuple(w) for w in self.state.lines)}
         self._eval = self._evaluate_visible()
         return [self.tokenizer.bos_id, *self.observation(task.prompt)]
 
@@ -145,6 +150,9 @@ class CodeRepairEnv:
                 after = self._evaluate_visible()
                 process.update(process_signals(self._eval, after, len(st.task.visible_tests)))
                 self._eval = after
+                version = tuple(tuple(w) for w in st.lines)
+                process["revisit"] = -1.0 if version in self._versions else 0.0
+                self._versions.add(version)
         process["rejected"] = -1.0 if log["error"] else 0.0
         if log["error"]:
             call = None if words is None else tuple(words)
