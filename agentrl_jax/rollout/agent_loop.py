@@ -44,7 +44,13 @@ from agentrl_jax.model.transformer import Transformer
 from agentrl_jax.rollout import disaggregation as dis
 from agentrl_jax.rollout.kv_cache import EvictionConfig, PagePool, kv_bytes_per_seq
 from agentrl_jax.rollout.sampler import SamplingConfig, get_sampler
-from agentrl_jax.rollout.trajectory import EpisodeRecord, Trajectory, stack_episodes, write_jsonl
+from agentrl_jax.rollout.trajectory import (
+    EpisodeRecord,
+    Trajectory,
+    stack_episodes,
+    weighted_process,
+    write_jsonl,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -307,9 +313,7 @@ def run_episodes(
             finish(s, truncated=True)
             return
         obs, res = slot.env.step(action)
-        rec.process[len(rec.tokens) - 1] = float(
-            sum(weights.get(k, 1.0) * v for k, v in res.process.items())
-        )
+        rec.process[len(rec.tokens) - 1] = weighted_process(res.process, weights)
         extra = []
         if not res.done and goal_every and slot.turn % goal_every == 0:
             extra = list(slot.goal)

@@ -197,6 +197,11 @@ class EpisodeRecord:
             self.routes[start : start + len(routes)] = routes
 
 
+def weighted_process(signals: dict[str, float], weights: dict[str, float]) -> float:
+    """A turn's process reward: its signals weighted by ``weights`` (a missing key weighs 1.0)."""
+    return float(sum(weights.get(k, 1.0) * v for k, v in signals.items()))
+
+
 def episode_record(
     episode, *, uid: int, group_id: int, process_weights: dict[str, float] | None = None
 ) -> EpisodeRecord:
@@ -210,7 +215,7 @@ def episode_record(
     rec.turn_ids = [int(t) for t in episode.turn_ids]
     rec.logprobs = [0.0] * len(rec.tokens)
     for end, signals in zip(episode.turn_ends, episode.process, strict=True):
-        rec.process[int(end)] = float(sum(weights.get(k, 1.0) * v for k, v in signals.items()))
+        rec.process[int(end)] = weighted_process(signals, weights)
     rec.outcome = float(episode.outcome_reward)
     rec.success = bool(episode.success)
     rec.goal_adhered = bool(episode.goal_adhered)

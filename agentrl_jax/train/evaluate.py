@@ -189,31 +189,21 @@ def summarize(traj, tasks: Sequence[Any], *, greedy: bool) -> dict[str, Any]:
 
 def transcripts(traj, tasks: Sequence[Any]) -> list[dict[str, Any]]:
     """One JSON-able record per episode of ``traj`` (played on ``tasks``, same order): ``index``,
-    ``task_seed``, ``difficulty``, ``bugs`` (type, subtype, line, original and mutated line, the
-    expert's fix), ``success``, ``truncated``, ``goal_adhered`` and ``turns``: every model turn's
-    ``tool``, ``args``, the environment's ``output`` and ``error``."""
+    ``task_seed``, ``difficulty``, ``bugs`` (``envs.coderepair.Bug`` fields: type, subtype,
+    line, original and mutated line as words, the expert's fix), ``success``, ``truncated``,
+    ``goal_adhered`` and ``turns``: every model turn's ``tool``, ``args``, the environment's
+    ``output`` and ``error``."""
     turns: list[list[dict[str, Any]]] = [[] for _ in tasks]
     for rec in traj.logs:
         turns[rec["episode"]].append({k: rec[k] for k in ("tool", "args", "output", "error")})
     out = []
     for i, task in enumerate(tasks):
-        bugs = [
-            {
-                "type": b.type,
-                "subtype": b.subtype,
-                "line": b.line,
-                "original": " ".join(b.original),
-                "mutated": " ".join(b.mutated),
-                "fix": " ".join(b.fix),
-            }
-            for b in task.bugs
-        ]
         out.append(
             {
                 "index": i,
                 "task_seed": task.seed,
                 "difficulty": task.difficulty,
-                "bugs": bugs,
+                "bugs": [dataclasses.asdict(b) for b in task.bugs],
                 "success": bool(traj.success[i]),
                 "truncated": bool(traj.truncated[i]),
                 "goal_adhered": bool(traj.goal_adhered[i]),

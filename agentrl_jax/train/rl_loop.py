@@ -521,7 +521,7 @@ def check_config(cfg: ConfigDict) -> None:
     from agentrl_jax.train.evaluate import EvalConfig
     from agentrl_jax.train.sft import SFTConfig
 
-    to_dataclass(cfg.model, ModelConfig)
+    model = to_dataclass(cfg.model, ModelConfig)
     get_policy(cfg.policy)
     to_dataclass(cfg.sft, SFTConfig)
     loop = to_dataclass(cfg.train, LoopConfig)
@@ -540,7 +540,7 @@ def check_config(cfg: ConfigDict) -> None:
             f"train.greedy_member needs data.group_size >= 2, not {data.group_size} "
             "(a group needs a sampled member)"
         )
-    if loop.guide_groups and to_dataclass(cfg.model, ModelConfig).is_moe:
+    if loop.guide_groups and model.is_moe:
         raise ValueError(
             f"train.guide_groups={loop.guide_groups} needs a dense model: a scripted expert "
             "episode has no MoE routes to replay or compare"

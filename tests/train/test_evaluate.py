@@ -218,6 +218,7 @@ def test_cli_on_run_dir(tiny, tmp_path, capsys):
     assert [r["success"] for r in recs] == [bool(x) for x in out["greedy"]["episode_success"]]
     for r, t in zip(recs, tasks):
         assert r["bugs"][0]["line"] == t.bugs[0].line and r["bugs"][0]["type"] == t.bugs[0].type
+        assert r["bugs"][0]["fix"] == list(t.bugs[0].fix)
         assert 1 <= len(r["turns"]) and set(r["turns"][0]) == {"tool", "args", "output", "error"}
     assert sum(len(r["turns"]) for r in recs) == round(out["greedy"]["mean_turns"] * 3)
     before = path.read_text()

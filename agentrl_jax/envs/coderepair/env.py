@@ -50,6 +50,11 @@ def _zero_process() -> dict[str, float]:
     return dict.fromkeys(PROCESS_KEYS, 0.0)
 
 
+def _version(lines) -> tuple[tuple[str, ...], ...]:
+    """A hashable copy of a program (``revisit``)."""
+    return tuple(tuple(w) for w in lines)
+
+
 def process_signals(before: Evaluation, after: Evaluation, n_visible: int) -> dict[str, float]:
     """Milestone signals between two evaluations of the visible tests (see module docstring)."""
     removed = len(before.error_classes - after.error_classes)
@@ -87,7 +92,7 @@ class CodeRepairEnv:
         self.turn = 0
         self.done = False
         self._rejected = set()
-        self._versions = {tuple(tuple(w) for w in self.state.lines)}
+        self._versions = {_version(self.state.lines)}
         self._eval = self._evaluate_visible()
         return [self.tokenizer.bos_id, *self.observation(task.prompt)]
 
@@ -150,7 +155,7 @@ class CodeRepairEnv:
                 after = self._evaluate_visible()
                 process.update(process_signals(self._eval, after, len(st.task.visible_tests)))
                 self._eval = after
-                version = tuple(tuple(w) for w in st.lines)
+                version = _version(st.lines)
                 process["revisit"] = -1.0 if version in self._versions else 0.0
                 self._versions.add(version)
         process["rejected"] = -1.0 if log["error"] else 0.0
