@@ -12,6 +12,7 @@ import math
 
 LAYER_KINDS = ("S", "F", "D")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+VALUE_HEADS = ("", "shared", "detached")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,10 @@ class ModelConfig:
       norm_eps: RMSNorm epsilon.
       remat: 'none' | 'full' | 'dots' | 'dots_no_batch' rematerialisation of a pattern group.
       init_std: stddev of weight init (output projections scaled by 1/sqrt(2*n_layers)).
+      value_head: '' (none) | 'shared' | 'detached': a linear critic V(prefix) on the final
+        normed hidden state (``extras['values']``, zero-initialised), trained by the RL value
+        loss; 'shared' lets that loss's gradient into the trunk, 'detached' stops it there (a
+        probe of the policy's features).
     """
 
     vocab_size: int = 512
@@ -68,6 +73,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     remat: str = "none"
     init_std: float = 0.02
+    value_head: str = ""
 
     def __post_init__(self):
         def positive(field):
@@ -123,6 +129,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.capacity_factor={self.capacity_factor} must be >= 0")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; allowed: {REMAT_POLICIES}")
+        if self.value_head not in VALUE_HEADS:
+            raise ValueError(f"ModelConfig.value_head={self.value_head!r}; allowed: {VALUE_HEADS}")
         for field in ("rope_theta", "norm_eps", "init_std"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"ModelConfig.{field}={getattr(self, field)} must be > 0")

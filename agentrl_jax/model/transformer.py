@@ -142,7 +142,8 @@ class Transformer(nn.Module):
 
         Returns:
           (logits float32 [B, T, V], new cache or None, extras) where extras holds ``routes``
-          int32 [B, T, L_moe, k] (MoE only) and summed aux losses (``aux_loss`` etc.).
+          int32 [B, T, L_moe, k] (MoE only), summed aux losses (``aux_loss`` etc.) and, with
+          ``cfg.value_head``, ``values`` f32 [B, T]: V of the prefix ending at each token.
         """
         cfg, pol = self.cfg, self.policy
         b, t = tokens.shape
@@ -193,6 +194,16 @@ class Transformer(nn.Module):
         logits = embedder.decode(x)
 
         extras = {k: jnp.sum(v) for k, v in aux.items()}
+        if cfg.value_head:
+            h = x if cfg.value_head == "shared" else jax.lax.stop_gradient(x)
+            head = nn.Dense(
+                1,
+                dtype=jnp.float32,
+                param_dtype=jnp.float32,
+                name="value_head",
+                kernel_init=nn.initializers.zeros,
+            )
+            extras["values"] = head(h.astype(jnp.float32))[..., 0]
         if routes is not None:  # [G, B, T, P, k] -> [B, T, G*P, k]
             extras["routes"] = routes.transpose(1, 2, 0, 3, 4).reshape(b, t, cfg.n_layers, -1)
         new_cache = None
@@ -299,11 +310,21 @@ def forward_chunked(
 
     _, (logits, extras) = jax.lax.scan(step, cache, (toks, valid, rr))
     logits = logits.swapaxes(0, 1).reshape(b, t_pad, -1)[:, :t]
-    out = {k: jnp.sum(v) for k, v in extras.items() if k != "routes"}
-    if "routes" in extras:
-        r = extras["routes"]
-        out["routes"] = r.swapaxes(0, 1).reshape(b, t_pad, *r.shape[3:])[:, :t]
-    return logits, out
+    return logits, unchunk_extras(extras, t, jnp.sum)
+
+
+PER_TOKEN_EXTRAS = ("routes", "values")
+
+
+def unchunk_extras(extras: dict, t: int, reduce) -> dict:
+    """Per-chunk model extras stacked by a chunk scan ([N, B, C, ...]) -> one pass's: per-token
+    entries (``PER_TOKEN_EXTRAS``) as [B, t, ...], scalars reduced over chunks with ``reduce``."""
+    out = {k: reduce(v) for k, v in extras.items() if k not in PER_TOKEN_EXTRAS}
+    for k in PER_TOKEN_EXTRAS:
+        if k in extras:
+            v = extras[k].swapaxes(0, 1)
+            out[k] = v.reshape(v.shape[0], -1, *v.shape[3:])[:, :t]
+    return out
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:

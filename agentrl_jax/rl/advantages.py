@@ -240,12 +240,15 @@ def gae(
     lam: float = 0.95,
     prm_weight: float = 1.0,
     orm_weight: float = 1.0,
+    whiten: bool = False,
 ) -> Array:
     """Generalised advantage estimation over action tokens (reverse ``lax.scan``).
 
     delta_t = r_t + gamma V_{t+} - V_t,  A_t = delta_t + gamma lam A_{t+},
     with t+ the next action token (V = A = 0 after the last: episodes end there) and V = 0 if
     ``inputs.values`` is None (then A_t is the (gamma lam)-discounted reward-to-go).
+    ``whiten``: A <- (A - mean) / (std + 1e-6) over the batch's action tokens (PPO's advantage
+    normalisation; a critic's targets are the unwhitened A_t + V_t).
 
     Raises:
       ValueError: if gamma or lam is outside [0, 1].
@@ -266,7 +269,14 @@ def gae(
 
     zeros = jnp.zeros(mask.shape[:1], jnp.float32)
     _, adv = jax.lax.scan(step, (zeros, zeros), (r.T, v.T, mask.T), reverse=True)
-    return adv.T
+    adv = adv.T
+    if whiten:
+        m = mask.astype(jnp.float32)
+        n = jnp.maximum(jnp.sum(m), 1.0)
+        mean = jnp.sum(adv * m) / n
+        std = jnp.sqrt(jnp.sum(jnp.square(adv - mean) * m) / n)
+        adv = jnp.where(mask, (adv - mean) / (std + 1e-6), 0.0)
+    return adv
 
 
 def _episode_groups(inputs: CreditInputs):

@@ -25,7 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache, token_entropy
+from agentrl_jax.model.transformer import (
+    CacheSpec,
+    Transformer,
+    init_cache,
+    token_entropy,
+    unchunk_extras,
+)
 from agentrl_jax.precision import DTypePolicy
 from agentrl_jax.rollout.sampler import fixed_order_logprobs
 
@@ -119,8 +125,8 @@ def chunked_logits(
       replay_routes: optional int32 [B, T, L, k].
 
     Returns:
-      (logits f32 [B, T, V], extras: ``routes`` [B, T, L, k] (MoE) and the model's scalar MoE
-      losses averaged over chunks).
+      (logits f32 [B, T, V], extras: ``routes`` [B, T, L, k] (MoE), ``values`` [B, T] (value
+      head) and the model's scalar MoE losses averaged over chunks).
 
     Raises:
       ValueError: T not a multiple of the chunk or above ``max_len``.
@@ -157,11 +163,7 @@ def chunked_logits(
 
     _, (logits, extras) = jax.lax.scan(step, cache, (toks, rr))
     logits = logits.swapaxes(0, 1).reshape(b, t, -1)
-    out = {k: jnp.mean(v) for k, v in extras.items() if k != "routes"}
-    if "routes" in extras:
-        r = extras["routes"]
-        out["routes"] = r.swapaxes(0, 1).reshape(b, t, *r.shape[3:])
-    return logits, out
+    return logits, unchunk_extras(extras, t, jnp.mean)
 
 
 def sequence_logprobs(
@@ -195,7 +197,7 @@ def sequence_logprobs(
 
     Returns:
       (logp f32 [B, T-1], entropy f32 [B, T-1] or None, extras) with extras the model's
-      (``routes`` [B, T, L, k] and scalar MoE losses).
+      (``routes`` [B, T, L, k], ``values`` [B, T] with a value head, scalar MoE losses).
 
     Raises:
       ValueError: a parity policy without ``chunk_spec``, ``evict_at``/``int8_at`` without a

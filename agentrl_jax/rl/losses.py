@@ -50,6 +50,10 @@ class LossConfig:
       negative_adv_weight: multiplies negative advantages (>= 0): A <- w * A where A < 0.
         1 is the plain objective; < 1 weighs reinforcing successes above suppressing failures
         (suppression spreads probability mass and raises entropy; 0 keeps successes only).
+      vf_coef: weight of the value-head loss (>= 0; ``value_loss``); > 0 needs a model with
+        ``value_head`` and batches with ``value_targets`` / ``old_values``.
+      vf_clip: PPO value clip eps_v (> 0): the clipped prediction stays within eps_v of the
+        value the rollout batch was scored with; None disables.
     """
 
     clip_low: float = 0.2
@@ -66,6 +70,8 @@ class LossConfig:
     icepop_band: tuple[float, float] | None = None
     geo_band: tuple[float, float] | None = None
     negative_adv_weight: float = 1.0
+    vf_coef: float = 0.0
+    vf_clip: float | None = None
 
     def __post_init__(self):
         if not 0.0 < self.clip_low < 1.0:
@@ -86,9 +92,12 @@ class LossConfig:
             "moe_lb_coef",
             "moe_z_coef",
             "negative_adv_weight",
+            "vf_coef",
         ):
             if not getattr(self, field) >= 0.0:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 0")
+        if self.vf_clip is not None and not self.vf_clip > 0.0:
+            raise ValueError(f"vf_clip={self.vf_clip} must be > 0 or None")
         if self.tis_cap is not None and not self.tis_cap >= 1.0:
             raise ValueError(f"tis_cap={self.tis_cap} must be >= 1 or None")
         for field in ("icepop_band", "geo_band"):
@@ -137,6 +146,47 @@ def aggregate(
         return jnp.sum(per_seq) / n_seq
     c = float(loss_mat.shape[1]) if norm_constant is None else float(norm_constant)
     return jnp.sum(per_seq) / (loss_mat.shape[0] * c)
+
+
+def value_loss(
+    values: Array,
+    old_values: Array,
+    targets: Array,
+    mask: Array,
+    cfg: LossConfig,
+) -> tuple[Array, dict[str, Array]]:
+    """PPO value loss of a critic, aggregated like the policy loss (``cfg.agg_mode``).
+
+      l_t = 1/2 (V_t - R_t)^2                                  (vf_clip None)
+      l_t = 1/2 max((V_t - R_t)^2, (V_old + clip(V_t - V_old, -eps_v, eps_v) - R_t)^2)
+
+    with V the current prediction (differentiated), V_old the prediction the batch was scored
+    with and R the target (e.g. GAE advantage + V_old); V_old and R are constants.
+
+    Args:
+      values, old_values, targets: f32 [B, T]; mask: bool [B, T] tokens to fit.
+
+    Returns:
+      (scalar loss, metrics ``value_loss``, ``value_clipped_frac``, ``value_mean``).
+    """
+    sg = jax.lax.stop_gradient
+    v = values.astype(jnp.float32)
+    v_old, r = sg(old_values.astype(jnp.float32)), sg(targets.astype(jnp.float32))
+    sq = jnp.square(v - r)
+    clipped = jnp.zeros_like(sq)
+    if cfg.vf_clip is not None:
+        v_clip = v_old + jnp.clip(v - v_old, -cfg.vf_clip, cfg.vf_clip)
+        sq_clip = jnp.square(v_clip - r)
+        clipped = (sq_clip > sq).astype(jnp.float32)
+        sq = jnp.maximum(sq, sq_clip)
+    loss = aggregate(0.5 * sq, mask, cfg.agg_mode, cfg.norm_constant)
+    m = mask.astype(jnp.float32)
+    metrics = {
+        "value_loss": sg(loss),
+        "value_clipped_frac": _masked_mean(clipped, m),
+        "value_mean": _masked_mean(sg(v), m),
+    }
+    return loss, metrics
 
 
 def kl_penalty(logp: Array, logp_ref: Array, estimator: str) -> Array:

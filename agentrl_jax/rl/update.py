@@ -26,7 +26,10 @@ Batch (numpy or jax arrays, B sequences padded to T; see the trajectory contract
   (needed by old_logprobs='rollout', mismatch metrics and corrections); ref_logprobs f32 [B,T]
   (when loss.kl_coef > 0); routes int32 [B,T,L,k] (MoE; required by routing replay);
   kv_evict_at int32 [B,T] (KV-mask replay, parity policies; see ``rollout.trajectory``);
-  kv_int8_at int32 [B,T] (optional: int8 KV decisions, replayed with the evictions).
+  kv_int8_at int32 [B,T] (optional: int8 KV decisions, replayed with the evictions);
+  value_targets, old_values f32 [B,T] (``loss.vf_coef`` > 0, a model with a value head): the
+  critic's targets and the values the batch was scored with, on action tokens, V taken before
+  each token (``old_values[:, t]`` = the head's output at position t - 1).
 
 Shape legend: B sequences, T tokens, L MoE layers, k experts per token, M minibatches,
 U micro-batches per minibatch.
@@ -50,7 +53,7 @@ from agentrl_jax.rl.logprobs import (
     target_mask,
     with_policy,
 )
-from agentrl_jax.rl.losses import policy_loss
+from agentrl_jax.rl.losses import policy_loss, value_loss
 from agentrl_jax.rl.mismatch import mismatch_metrics
 from agentrl_jax.rl.state import RLConfig, TrainState, make_optimizer
 
@@ -61,15 +64,15 @@ UpdateFn = Callable[..., tuple[TrainState, dict[str, jax.Array]]]
 _MAX_METRICS = ("ratio_max",)
 _MIN_METRICS = ("ratio_min",)
 # metrics that are aggregated losses: combined with the loss weights (sum = minibatch value)
-_AGG_METRICS = ("loss", "pg_loss", "kl_ref", "entropy")
+_AGG_METRICS = ("loss", "pg_loss", "kl_ref", "entropy", "value_loss")
 
 
 def prepare_batch(batch: dict, rl_cfg: RLConfig, model: Transformer) -> dict[str, jax.Array]:
     """Per-sequence arrays the update indexes by row, shifted to the logprob alignment.
 
     Returns a dict with tokens [B,T], valid [B,T], mask [B,T-1], adv [B,T-1] and, when present
-    or needed, logp_rollout [B,T-1], logp_ref [B,T-1], routes [B,T,L,k] (replay) and
-    rollout_routes [B,T,L,k] (mismatch only).
+    or needed, logp_rollout [B,T-1], logp_ref [B,T-1], v_target / v_old [B,T-1] (value loss),
+    routes [B,T,L,k] (replay) and rollout_routes [B,T,L,k] (mismatch only).
 
     Raises:
       ValueError: a missing required field or a shape mismatch.
@@ -82,7 +85,8 @@ def prepare_batch(batch: dict, rl_cfg: RLConfig, model: Transformer) -> dict[str
         raise ValueError(f"batch['tokens'] must be [B, T] with T >= 2, got {tokens.shape}")
     shape = tuple(tokens.shape)
     valid = jnp.asarray(batch.get("valid", jnp.ones(shape, bool)), bool)
-    for field in ("valid", "action_mask", "advantages", "rollout_logprobs", "ref_logprobs"):
+    per_token = ("valid", "action_mask", "advantages", "rollout_logprobs", "ref_logprobs")
+    for field in (*per_token, "value_targets", "old_values"):
         if field in batch and tuple(jnp.shape(batch[field])) != shape:
             raise ValueError(
                 f"batch[{field!r}] must have shape {shape}, got {jnp.shape(batch[field])}"
@@ -101,6 +105,12 @@ def prepare_batch(batch: dict, rl_cfg: RLConfig, model: Transformer) -> dict[str
         if "ref_logprobs" not in batch:
             raise ValueError("loss.kl_coef > 0 needs batch['ref_logprobs']")
         data["logp_ref"] = jnp.asarray(batch["ref_logprobs"], jnp.float32)[:, 1:]
+    if rl_cfg.loss.vf_coef > 0:
+        for field in ("value_targets", "old_values"):
+            if field not in batch:
+                raise ValueError(f"loss.vf_coef > 0 needs batch[{field!r}]")
+        data["v_target"] = jnp.asarray(batch["value_targets"], jnp.float32)[:, 1:]
+        data["v_old"] = jnp.asarray(batch["old_values"], jnp.float32)[:, 1:]
     cfg = model.cfg
     if "routes" in batch and cfg.is_moe:
         routes = jnp.asarray(batch["routes"], jnp.int32)
@@ -189,13 +199,22 @@ def make_grad_fn(
     Returns ``(grads, metrics, aux)`` with aux ``logp`` [b, T-1] (no gradient) and, for MoE,
     ``routes`` [b, T, L, k] of the gradient pass.
     The returned gradient is that of the minibatch objective
-      policy_loss(minibatch) + moe_lb_coef * mean_u lb_u + moe_z_coef * mean_u z_u
+      policy_loss(minibatch) + vf_coef * value_loss(minibatch)
+        + moe_lb_coef * mean_u lb_u + moe_z_coef * mean_u z_u
     (equal to the unsplit gradient up to float rounding when the MoE terms are off or dropless
     routing makes them batch-independent). Not jitted (trace it inside your own jit).
+
+    Raises:
+      ValueError: ``loss.vf_coef`` > 0 with a model without a value head.
     """
     model = with_policy(model, policy)
     spec = as_chunk_spec(sampling_meta)
     lcfg = rl_cfg.loss
+    if lcfg.vf_coef > 0 and not model.cfg.value_head:
+        raise ValueError(
+            f"loss.vf_coef={lcfg.vf_coef} needs a model with a value head "
+            "(model.value_head='shared' or 'detached')"
+        )
     sg = jax.lax.stop_gradient
 
     def micro_loss(params, x, loss_w, n_micro):
@@ -219,6 +238,14 @@ def make_grad_fn(
             logp_ref=x.get("logp_ref"),
             entropy=ent if lcfg.entropy_coef > 0 else sg(ent),
         )
+        if lcfg.vf_coef > 0:  # values[:, j]: V of the prefix that predicts token j + 1
+            v_loss, v_metrics = value_loss(
+                extras["values"][:, :-1], x["v_old"], x["v_target"], x["mask"], lcfg
+            )
+            loss = loss + lcfg.vf_coef * v_loss
+            metrics |= v_metrics | {
+                "loss": metrics["loss"] + lcfg.vf_coef * v_metrics["value_loss"]
+            }
         total = loss_w * loss
         if model.cfg.is_moe:
             lb, z = extras["load_balance_loss"], extras["z_loss"]

@@ -211,6 +211,16 @@ class RLRun:
             functools.partial(_ref_logprobs, self.model_cfg, self.sampling), static_argnums=0
         )
         self._attn_mass = jax.jit(functools.partial(_attn_mass, self.model_cfg), static_argnums=0)
+        self._values = jax.jit(
+            functools.partial(_values, self.model_cfg, self.sampling), static_argnums=0
+        )
+        # The critic's targets: unwhitened GAE returns A_t + V_t with the advantage's gamma/lam.
+        vkw = {k: v for k, v in self.loop.advantage_kwargs.items() if k != "whiten"}
+        self._value_targets = jax.jit(
+            lambda inputs: jnp.where(
+                inputs.action_mask, get_advantage("gae")(inputs, **vkw) + inputs.values, 0.0
+            )
+        )
         self._guided: dict[int, dict] = {}  # train.guide_groups, per step (see step())
         self._guides_left = 0
         self.start_step = 0
@@ -378,6 +388,11 @@ class RLRun:
                 dev["action_mask"],
                 dev["turn_ids"],
             )
+        values = None
+        if self.model_cfg.value_head:  # the critic's V before each token, current params
+            values = self._values(
+                self.controller.active, self.state.params, dev["tokens"], dev["valid"]
+            )
         inputs = CreditInputs(
             action_mask=dev["action_mask"],
             turn_ids=dev["turn_ids"],
@@ -388,8 +403,16 @@ class RLRun:
                 history_state_ids(batch["tokens"], batch["action_mask"], batch["turn_ids"])
             ),
             attn_credit=attn_credit,
+            values=values,
         )
         batch["advantages"] = np.asarray(self.advantage_fn(inputs))
+        value_metrics = {}
+        if values is not None:
+            batch["old_values"] = np.asarray(values)
+            batch["value_targets"] = np.asarray(self._value_targets(inputs))
+            value_metrics = _explained_variance(
+                batch["value_targets"], batch["old_values"], batch["action_mask"]
+            )
         update_batch = {
             k: batch[k]
             for k in (
@@ -401,6 +424,8 @@ class RLRun:
                 "routes",
                 "kv_evict_at",
                 "kv_int8_at",
+                "value_targets",
+                "old_values",
             )
             if k in batch
         }
@@ -415,6 +440,7 @@ class RLRun:
         n_tokens = float(batch["valid"].sum())
         all_rows = _concat(store, self.sampling.max_len)
         metrics.update(data_metrics)
+        metrics.update(value_metrics)
         metrics.update(
             {
                 "reward": float(np.mean(all_rows["outcome_reward"])),
@@ -455,6 +481,33 @@ def _ref_logprobs(model_cfg: ModelConfig, sampling, policy, params, tokens, vali
         with_entropy=False,
     )
     return jnp.pad(logp, ((0, 0), (1, 0)))
+
+
+def _values(model_cfg: ModelConfig, sampling, policy, params, tokens, valid) -> jax.Array:
+    """Value-head estimates f32 [B, T] aligned with the trajectory: entry t is V of the prefix
+    before token t (the head's output at t - 1; column 0 is 0)."""
+    from agentrl_jax.rl.logprobs import as_chunk_spec, sequence_logprobs
+
+    _, _, extras = sequence_logprobs(
+        Transformer(model_cfg, policy),
+        params,
+        tokens,
+        valid=valid,
+        chunk_spec=as_chunk_spec(sampling),
+        with_entropy=False,
+    )
+    return jnp.pad(extras["values"][:, :-1], ((0, 0), (1, 0)))
+
+
+def _explained_variance(targets, values, mask) -> dict[str, float]:
+    """``value_explained_var`` = 1 - Var(R - V) / Var(R) over action tokens (1 = a perfect
+    critic, 0 = no better than the mean, < 0 worse), and the targets' mean."""
+    r, v = targets[mask.astype(bool)], values[mask.astype(bool)]
+    if r.size == 0:
+        return {}
+    var = float(np.var(r))
+    ev = 1.0 - float(np.var(r - v)) / var if var > 0 else float("nan")
+    return {"value_explained_var": ev, "value_target_mean": float(np.mean(r))}
 
 
 def _attn_mass(model_cfg: ModelConfig, policy, params, tokens, valid, action_mask, turn_ids):
@@ -525,7 +578,6 @@ def check_config(cfg: ConfigDict) -> None:
     get_policy(cfg.policy)
     to_dataclass(cfg.sft, SFTConfig)
     loop = to_dataclass(cfg.train, LoopConfig)
-    rl_config(cfg.rl)
     to_dataclass(cfg.rollout, SamplingConfig)
     to_dataclass(cfg.eval, EvalConfig)
     data = to_dataclass(cfg.data, DataConfig)
@@ -539,6 +591,18 @@ def check_config(cfg: ConfigDict) -> None:
         raise ValueError(
             f"train.greedy_member needs data.group_size >= 2, not {data.group_size} "
             "(a group needs a sampled member)"
+        )
+    rl = rl_config(cfg.rl)
+    if model.value_head and (loop.advantage != "gae" or rl.loss.vf_coef <= 0):
+        raise ValueError(
+            f"model.value_head={model.value_head!r} is a critic for train.advantage='gae' "
+            f"trained with rl.loss.vf_coef > 0 (got advantage={loop.advantage!r}, "
+            f"vf_coef={rl.loss.vf_coef})"
+        )
+    if rl.loss.vf_coef > 0 and not model.value_head:
+        raise ValueError(
+            f"rl.loss.vf_coef={rl.loss.vf_coef} needs a value head: set model.value_head to "
+            "'shared' or 'detached'"
         )
     if loop.guide_groups and model.is_moe:
         raise ValueError(
@@ -576,13 +640,8 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
             model_cfg, policy, sft_cfg, run_dir, resume=bool(done), writer=writer, progress=progress
         )
     elif loop.init_from:
-        from agentrl_jax.train.checkpoint import restore_params
-
         template = init_params(Transformer(model_cfg, policy), jax.random.key(cfg.seed))
-        source = loop.init_from
-        if os.path.isdir(os.path.join(source, "checkpoints")):  # a run dir: its SFT stage
-            source = stage_dir(source, "sft")
-        params, _ = restore_params(source, template)
+        params = initial_params(loop.init_from, template)
     else:
         params = init_params(Transformer(model_cfg, policy), jax.random.key(cfg.seed))
 
@@ -640,6 +699,33 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
     _dump(summary_path, prior)
     rl.ckpt.close()
     return summary
+
+
+def initial_params(source: str, template):
+    """Params RL starts from (``train.init_from``): a run dir (its SFT stage), a stage dir (its
+    latest step) or a step dir, restored onto ``template``. A value head the template has and
+    the checkpoint lacks (a critic added after SFT) keeps the template's fresh one.
+
+    Raises:
+      ValueError: no checkpoint at ``source``.
+    """
+    from agentrl_jax.train.checkpoint import restore_params
+
+    if os.path.isdir(os.path.join(source, "checkpoints")):  # a run dir: its SFT stage
+        source = stage_dir(source, "sft")
+    head = template["params"].get("value_head")
+    if head is None:
+        return restore_params(source, template)[0]
+    try:
+        return restore_params(source, template)[0]
+    except ValueError:  # the checkpoint's tree has no value head (fewer leaves)
+        trunk = {
+            **template,
+            "params": {k: v for k, v in template["params"].items() if k != "value_head"},
+        }
+        params, _ = restore_params(source, trunk)
+        log.info("%s has no value head: the critic starts from its initialisation", source)
+        return {**params, "params": {**params["params"], "value_head": head}}
 
 
 def _gains(before: dict | None, after: dict) -> dict[str, Any] | None:

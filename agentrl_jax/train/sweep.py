@@ -328,8 +328,15 @@ def _run_vectorized(spec, overrides, sweep_dir, state, todo, progress) -> None:
     from agentrl_jax.model.config import ModelConfig
     from agentrl_jax.model.transformer import Transformer, init_params
     from agentrl_jax.precision import get_policy
-    from agentrl_jax.train.checkpoint import restore_params, stage_dir
-    from agentrl_jax.train.rl_loop import LoopConfig, RLRun, _eval, _mode, rl_config
+    from agentrl_jax.train.checkpoint import stage_dir
+    from agentrl_jax.train.rl_loop import (
+        LoopConfig,
+        RLRun,
+        _eval,
+        _mode,
+        initial_params,
+        rl_config,
+    )
     from agentrl_jax.train.sft import SFTConfig, run_sft
 
     t0 = time.perf_counter()
@@ -362,7 +369,7 @@ def _run_vectorized(spec, overrides, sweep_dir, state, todo, progress) -> None:
             )
         elif loop.init_from:
             template = init_params(model, jax.random.key(base.seed))
-            initial[None], _ = restore_params(loop.init_from, template)
+            initial[None] = initial_params(loop.init_from, template)
         else:
             for p in points:
                 p.init_key = int(p.cfg.seed)

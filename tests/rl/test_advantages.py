@@ -307,6 +307,12 @@ def _ref_gae(inputs, gamma, lam):
     return out
 
 
+def _ref_gae_whitened(inputs, gamma, lam):
+    mask = np.asarray(inputs[0])
+    a = _ref_gae(inputs, gamma, lam)
+    return np.where(mask, (a - a[mask].mean()) / (a[mask].std() + 1e-6), 0.0)
+
+
 def _ref_turn_returns(inputs, gamma):
     mask, turns, outcome, process = _np(inputs)[:4]
     r = _ref_steps(mask, turns, outcome, process)
@@ -372,6 +378,11 @@ def _ref_attn(inputs, alpha):
 REFERENCE_CASES = [
     ("gae", {"gamma": 0.9, "lam": 0.7}, lambda x: _ref_gae(x, 0.9, 0.7)),
     (
+        "gae",
+        {"gamma": 0.9, "lam": 0.7, "whiten": True},
+        lambda x: _ref_gae_whitened(x, 0.9, 0.7),
+    ),
+    (
         "discounted_turn",
         {"gamma": 0.7},
         lambda x: _turn_to_tokens(x, _ref_turn_returns(x, 0.7)),
@@ -392,7 +403,9 @@ def _turn_to_tokens(inputs, returns):
 
 
 @pytest.mark.parametrize(
-    "name,hparams,reference", REFERENCE_CASES, ids=[c[0] for c in REFERENCE_CASES]
+    "name,hparams,reference",
+    REFERENCE_CASES,
+    ids=[c[0] + ("_whiten" if c[1].get("whiten") else "") for c in REFERENCE_CASES],
 )
 def test_against_loop_reference(name, hparams, reference):
     inputs = _random_inputs(seed=len(name))
