@@ -75,7 +75,11 @@ class LoopConfig:
         ``summary.json`` under ``eval_mid`` (by step), so paired gains can be computed later.
       ckpt_every: RL checkpoint every N steps (and at the end).
       log_tool_calls: append every tool call of every rollout to ``tool_calls.jsonl``.
-      eval_before: evaluate the SFT checkpoint on the held-out split before RL.
+      eval_before: evaluate the SFT checkpoint on the held-out split before RL. When False and
+        ``init_from`` is a run dir whose ``summary.json`` holds its own before-RL evaluation
+        of that SFT checkpoint under the same ``eval`` section and dtype policy, that
+        evaluation is reused (``eval_before_from`` in the summary names it), so RL-only runs
+        from one SFT run still report paired gains.
       greedy_member: the last rollout of each group decodes greedily (argmax, as greedy
         evaluation does) instead of sampling. Greedy-only failures (e.g. repeating a rejected
         call) then reach the gradient: a greedy member that fails where its sampled siblings
@@ -654,6 +658,16 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
         _dump(summary_path, prior)
         log.info("held-out before RL: %s", json.dumps(before))
 
+    elif not loop.eval_before and loop.init_from and "eval_before" not in prior:
+        stored = _stored_sft_eval(loop.init_from, cfg)
+        if stored is not None:
+            before, prior["eval_before_from"] = stored
+            prior["heldout_success_before_rl"] = _mode(before, "success")
+            prior["goal_adherence_before_rl"] = _mode(before, "goal_adherence")
+            prior["eval_before"] = before
+            _dump(summary_path, prior)
+            log.info("held-out before RL: reused from %s", prior["eval_before_from"])
+
     # RL --------------------------------------------------------------------------------------
     rl = RLRun(cfg, run_dir, params, resume=bool(resume_dir))
     bar = ProgressBar(total=loop.rl_steps, initial=rl.start_step, desc="rl", enabled=progress)
@@ -688,6 +702,7 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
         .get("success"),
         "heldout_sampled_success_after_rl": after.get("sampled", {}).get("success"),
         "heldout_gain": _gains(prior.get("eval_before"), after),
+        "eval_before_from": prior.get("eval_before_from"),
         "entropy_start": finite[0] if finite else None,
         "entropy_end": finite[-1] if finite else None,
         "nonfinite_steps": int(rl.state.nonfinite_count),
@@ -726,6 +741,21 @@ def initial_params(source: str, template):
         params, _ = restore_params(source, trunk)
         log.info("%s has no value head: the critic starts from its initialisation", source)
         return {**params, "params": {**params["params"], "value_head": head}}
+
+
+def _stored_sft_eval(source: str, cfg: ConfigDict) -> tuple[dict, str] | None:
+    """``(evaluation, summary path)`` of the SFT checkpoint a run dir ``source`` holds, when its
+    summary has the before-RL evaluation and its config the same ``eval`` section and dtype
+    policy as ``cfg`` (same tasks, same decoding); else None."""
+    summary = os.path.join(source, "summary.json")
+    if not (os.path.isfile(summary) and os.path.isfile(os.path.join(source, "config.json"))):
+        return None
+    src = load_config_json(source)
+    before = json.load(open(summary)).get("eval_before")
+    same = json.loads(json.dumps(cfg.eval.to_dict())) == src.get("eval")
+    if not before or not same or src.get("policy") != cfg.policy:
+        return None
+    return before, os.path.abspath(summary)
 
 
 def _gains(before: dict | None, after: dict) -> dict[str, Any] | None:

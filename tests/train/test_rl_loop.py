@@ -12,7 +12,7 @@ from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.report import build_report
-from agentrl_jax.train.rl_loop import LoopConfig, RLRun, run
+from agentrl_jax.train.rl_loop import LoopConfig, RLRun, _stored_sft_eval, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
@@ -79,6 +79,14 @@ def test_main_job_smoke(tmp_path):
     second = run(cfg2, progress=False)
     assert second["nonfinite_steps"] == 0 and "heldout_success_after_rl" in second
     assert second["run_dir"] != run_dir
+    # no evaluation before RL: the first run's evaluation of the same SFT checkpoint is reused
+    assert second["eval_before_from"] == os.path.join(run_dir, "summary.json")
+    assert second["heldout_success_before_rl"] == summary["heldout_success_before_rl"]
+    assert second["heldout_gain"]["greedy"]["n"] == cfg.eval.n_episodes
+    # ... but only an evaluation of the same tasks under the same decoding and dtype policy
+    assert _stored_sft_eval(run_dir, cfg2) is not None
+    for other in (["eval.n_episodes=3"], ["eval.seed=1"], ["policy=bf16"]):
+        assert _stored_sft_eval(run_dir, load_config(SMOKE, other)) is None, other
     lines = [json.loads(x) for x in open(os.path.join(second["run_dir"], "metrics.jsonl"))]
     assert any(0.0 <= x.get("rl/greedy_member_success", -1) <= 1.0 for x in lines)
 
