@@ -472,11 +472,11 @@ class RLRun:
         return metrics
 
 
-def _ref_logprobs(model_cfg: ModelConfig, sampling, policy, params, tokens, valid) -> jax.Array:
-    """Reference-policy logprobs f32 [B, T] of ``tokens`` under ``policy`` (column 0 is 0)."""
+def _teacher_forced(model_cfg: ModelConfig, sampling, policy, params, tokens, valid):
+    """``(logp [B, T-1], extras)`` of a no-entropy teacher-forced pass under ``policy``."""
     from agentrl_jax.rl.logprobs import as_chunk_spec, sequence_logprobs
 
-    logp, _, _ = sequence_logprobs(
+    logp, _, extras = sequence_logprobs(
         Transformer(model_cfg, policy),
         params,
         tokens,
@@ -484,22 +484,19 @@ def _ref_logprobs(model_cfg: ModelConfig, sampling, policy, params, tokens, vali
         chunk_spec=as_chunk_spec(sampling),
         with_entropy=False,
     )
+    return logp, extras
+
+
+def _ref_logprobs(model_cfg: ModelConfig, sampling, policy, params, tokens, valid) -> jax.Array:
+    """Reference-policy logprobs f32 [B, T] of ``tokens`` under ``policy`` (column 0 is 0)."""
+    logp, _ = _teacher_forced(model_cfg, sampling, policy, params, tokens, valid)
     return jnp.pad(logp, ((0, 0), (1, 0)))
 
 
 def _values(model_cfg: ModelConfig, sampling, policy, params, tokens, valid) -> jax.Array:
     """Value-head estimates f32 [B, T] aligned with the trajectory: entry t is V of the prefix
     before token t (the head's output at t - 1; column 0 is 0)."""
-    from agentrl_jax.rl.logprobs import as_chunk_spec, sequence_logprobs
-
-    _, _, extras = sequence_logprobs(
-        Transformer(model_cfg, policy),
-        params,
-        tokens,
-        valid=valid,
-        chunk_spec=as_chunk_spec(sampling),
-        with_entropy=False,
-    )
+    _, extras = _teacher_forced(model_cfg, sampling, policy, params, tokens, valid)
     return jnp.pad(extras["values"][:, :-1], ((0, 0), (1, 0)))
 
 

@@ -185,3 +185,28 @@ def test_critic_config_is_checked_before_sft(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
         run(cfg, progress=False)
     assert os.listdir(tmp_path) == []
+
+
+def test_initial_params_keeps_a_saved_head_and_adds_a_missing_one(tmp_path):
+    from agentrl_jax.train.rl_loop import initial_params
+
+    model = _model("detached")
+    template = init_params(model, jax.random.key(0))
+    saved = _with_random_head(init_params(model, jax.random.key(1)), seed=2)
+    trunk = {"params": {k: v for k, v in saved["params"].items() if k != "value_head"}}
+    for name, params in (("with", saved), ("without", trunk)):
+        with Checkpointer(str(tmp_path / name)) as ckpt:
+            ckpt.save(1, params=params, opt_state={}, rng=jax.random.key(0))
+    got = initial_params(str(tmp_path / "with"), template)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved), strict=True):
+        np.testing.assert_array_equal(a, b)
+    got = initial_params(str(tmp_path / "without"), template)
+    np.testing.assert_array_equal(got["params"]["value_head"]["kernel"], 0.0)  # fresh head
+    for a, b in zip(
+        jax.tree.leaves({k: v for k, v in got["params"].items() if k != "value_head"}),
+        jax.tree.leaves(trunk),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="no checkpoint"):
+        initial_params(str(tmp_path / "missing"), template)
