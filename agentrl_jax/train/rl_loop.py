@@ -95,6 +95,12 @@ class LoopConfig:
         epoch). Step metrics (``success``, ``reward``, ...) and the task pipeline's difficulty
         estimates see the sampled episodes only; ``guided_groups`` counts the replacements.
         Dense models only (a scripted episode has no recorded MoE routes).
+      guide_source: where ``guide_groups``' successful episode comes from: ``"expert"`` (above)
+        or ``"policy"``: ``guide_samples`` more episodes of the current policy on each such
+        task (one batched rollout per round), the first success replacing the first member,
+        with its own rollout logprobs and routes. On-policy rejection sampling on the tasks
+        the group alone failed: the rare success gets the group's positive advantage.
+      guide_samples: extra samples per all-failed group for ``guide_source="policy"``.
     """
 
     rl_steps: int = 40
@@ -110,11 +116,26 @@ class LoopConfig:
     eval_before: bool = True
     greedy_member: bool = False
     guide_groups: int = 0
+    guide_source: str = "expert"
+    guide_samples: int = 8
 
     def __post_init__(self):
-        for name in ("rl_steps", "max_turns", "eval_every", "ckpt_every", "guide_groups"):
-            if getattr(self, name) < (1 if name in ("max_turns", "ckpt_every") else 0):
+        for name in (
+            "rl_steps",
+            "max_turns",
+            "eval_every",
+            "ckpt_every",
+            "guide_groups",
+            "guide_samples",
+        ):
+            if getattr(self, name) < (
+                0 if name in ("rl_steps", "eval_every", "guide_groups") else 1
+            ):
                 raise ValueError(f"LoopConfig.{name}={getattr(self, name)} is out of range")
+        if self.guide_source not in ("expert", "policy"):
+            raise ValueError(
+                f"LoopConfig.guide_source={self.guide_source!r} must be 'expert' or 'policy'"
+            )
         get_advantage(self.advantage)  # ValueError lists the registered names
         from agentrl_jax.envs.coderepair import PROCESS_KEYS
 
@@ -270,35 +291,10 @@ class RLRun:
 
     # one iteration -----------------------------------------------------------------------------
     def _rollout(self, step: int, items: list[dict], round_index: int, store: list):
-        from agentrl_jax.rollout.agent_loop import run_episodes
-
         g = self.data_cfg.group_size
-        tasks = [it["task"] for it in items for _ in range(g)]
         greedy = (np.arange(g) == g - 1) & self.loop.greedy_member  # per group member
-        model = Transformer(self.model_cfg, self.controller.active)
         key = jax.random.fold_in(jax.random.fold_in(self.rollout_key, step), round_index)
-        log_path = (
-            os.path.join(self.run_dir, "tool_calls.jsonl") if self.loop.log_tool_calls else None
-        )
-        traj = run_episodes(
-            model,
-            self.state.params,
-            tasks,
-            self.env_factory,
-            self.tokenizer,
-            self.sampling,
-            key,
-            # One slot count for every round: a refill round's fewer tasks leave slots idle
-            # instead of compiling the sampler for another batch shape.
-            n_slots=self.batch_size,
-            max_turns=self.loop.max_turns,
-            process_weights=self.loop.process_weights,
-            group_ids=[i for i in range(len(items)) for _ in range(g)],
-            log_path=log_path,
-            greedy=np.tile(greedy, len(items)).tolist(),
-        )
-        self._calls[0] += len(traj.logs)
-        self._calls[1] += sum(bool(r.get("error")) for r in traj.logs)
+        traj = self._play([it["task"] for it in items], g, key, np.tile(greedy, len(items)))
         groups = []
         for i in range(len(items)):
             idx = np.arange(i * g, (i + 1) * g)
@@ -307,7 +303,8 @@ class RLRun:
             rows["guided"] = np.zeros(g, bool)
             store.append(rows)
             rewards = [float(r) for r in rows["outcome_reward"]]
-            if self._guides_left > 0 and not rows["success"].any():
+            expert = self.loop.guide_source == "expert"
+            if expert and self._guides_left > 0 and not rows["success"].any():
                 guided = self._guided_rows(items[i]["task"], rows, group_id=i)
                 if guided is not None:  # train.guide_groups
                     self._guided[len(store) - 1] = guided
@@ -320,7 +317,68 @@ class RLRun:
                     "rows": len(store) - 1,
                 }
             )
+        if self.loop.guide_source == "policy" and self._guides_left > 0:
+            self._policy_guides(groups, items, store, jax.random.fold_in(key, 1))
         return groups
+
+    def _play(self, tasks: list, k: int, key, greedy: np.ndarray):
+        """``k`` episodes of the current policy per task (group ``i`` = task ``i``), counted in
+        the rejected-call rate and logged to ``tool_calls.jsonl``."""
+        from agentrl_jax.rollout.agent_loop import run_episodes
+
+        log_path = (
+            os.path.join(self.run_dir, "tool_calls.jsonl") if self.loop.log_tool_calls else None
+        )
+        traj = run_episodes(
+            Transformer(self.model_cfg, self.controller.active),
+            self.state.params,
+            [t for t in tasks for _ in range(k)],
+            self.env_factory,
+            self.tokenizer,
+            self.sampling,
+            key,
+            # One slot count for every call: fewer tasks (a refill round, a guide batch) leave
+            # slots idle instead of compiling the sampler for another batch shape.
+            n_slots=self.batch_size,
+            max_turns=self.loop.max_turns,
+            process_weights=self.loop.process_weights,
+            group_ids=[i for i in range(len(tasks)) for _ in range(k)],
+            log_path=log_path,
+            greedy=[bool(x) for x in greedy],
+        )
+        self._calls[0] += len(traj.logs)
+        self._calls[1] += sum(bool(r.get("error")) for r in traj.logs)
+        return traj
+
+    def _policy_guides(self, groups: list, items: list, store: list, key) -> None:
+        """``guide_source="policy"``: more samples on the round's all-failed groups (up to the
+        step's ``guide_groups`` left); a success replaces the group's first member."""
+        failed = [i for i, gr in enumerate(groups) if not any(gr["success"])]
+        failed = failed[: self._guides_left]
+        if not failed:
+            return
+        k = self.loop.guide_samples
+        tasks = [items[i]["task"] for i in failed]
+        for start in range(0, len(tasks), max(self.batch_size // k, 1)):  # <= n_slots episodes
+            part = failed[start : start + max(self.batch_size // k, 1)]
+            traj = self._play(
+                tasks[start : start + len(part)],
+                k,
+                jax.random.fold_in(key, start),
+                np.zeros(len(part) * k, bool),
+            )
+            for j, i in enumerate(part):
+                won = np.flatnonzero(np.asarray(traj.success)[j * k : (j + 1) * k])
+                if not len(won):
+                    continue
+                one = _concat([_rows(traj, np.array([j * k + won[0]]))], self.sampling.max_len)
+                out = _concat([store[groups[i]["rows"]]], self.sampling.max_len)
+                for name, value in one.items():
+                    out[name][0] = value[0]
+                out["guided"] = np.arange(len(out["guided"])) == 0
+                self._guided[groups[i]["rows"]] = out
+                groups[i]["rewards"][0] = float(one["outcome_reward"][0])
+        self._guides_left -= len(failed)
 
     def _guided_rows(self, task, rows: dict, group_id: int) -> dict | None:
         """A copy of a group's rows (padded to ``max_len``) whose first member is the scripted
@@ -605,7 +663,7 @@ def check_config(cfg: ConfigDict) -> None:
             f"rl.loss.vf_coef={rl.loss.vf_coef} needs a value head: set model.value_head to "
             "'shared' or 'detached'"
         )
-    if loop.guide_groups and model.is_moe:
+    if loop.guide_groups and loop.guide_source == "expert" and model.is_moe:
         raise ValueError(
             f"train.guide_groups={loop.guide_groups} needs a dense model: a scripted expert "
             "episode has no MoE routes to replay or compare"

@@ -247,6 +247,66 @@ def test_guide_groups_put_the_expert_in_failed_groups(tmp_path):
         assert (seen["rollout_logprobs"][row][~act] == 0).all()
 
 
+def test_policy_guides_put_a_sampled_success_in_failed_groups(tmp_path):
+    """guide_source='policy': an all-failed group's first member becomes one of guide_samples
+    more policy episodes on its task that succeeded. An untrained policy succeeds nowhere, so
+    the test marks one retry as a success after it is played (the rest is the real loop)."""
+    cfg = load_config(
+        SMOKE,
+        [
+            "train.sft=False",
+            "train.eval_before=False",
+            "train.guide_groups=1",
+            "train.guide_source=policy",
+            "train.guide_samples=3",
+        ],
+    )
+    model_cfg = ModelConfig(**cfg.model.to_dict())
+    params = init_params(Transformer(model_cfg, get_policy(cfg.policy)), jax.random.key(0))
+    run_ = RLRun(cfg, str(tmp_path), params, resume=False)
+    seen, plays = {}, []
+    controller = run_.controller
+
+    def spy(state, batch, rng):
+        seen.update(batch)
+        return controller(state, batch, rng)
+
+    run_.controller = spy
+    run_.controller.active = controller.active
+    real_play = run_._play
+
+    def play(tasks, k, key, greedy):
+        traj = real_play(tasks, k, key, greedy)
+        if k == cfg.train.guide_samples:  # the retry batch: its second episode "succeeds"
+            success, reward = np.array(traj.success), np.array(traj.outcome_reward)
+            success[1], reward[1] = True, 1.0
+            traj = traj.replace(success=success, outcome_reward=reward)
+        plays.append((list(tasks), k, traj))
+        return traj
+
+    run_._play = play
+    metrics = run_.step(0)
+    g = cfg.data.group_size
+    (tasks, _, first), (retried, k, retry) = plays[:2]
+    assert k == 3 and retried == tasks[:1]  # guide_groups=1: the first failed group only
+    assert metrics["guided_groups"] == 1.0
+    assert metrics["success"] == 0.0  # sampled episodes only
+    n = int(np.asarray(retry.valid)[1].sum())
+    np.testing.assert_array_equal(seen["tokens"][0, :n], np.asarray(retry.tokens)[1, :n])
+    assert not seen["valid"][0, n:].any()
+    act = seen["action_mask"][0]
+    assert act.sum() > 0 and (seen["advantages"][0][act] > 0).all()
+    for m in range(1, g):  # the sampled members keep their rows, now with negative advantages
+        np.testing.assert_array_equal(
+            seen["tokens"][m, : first.tokens.shape[1]], np.asarray(first.tokens)[m]
+        )
+        assert (seen["advantages"][m][seen["action_mask"][m]] < 0).all()
+    with pytest.raises(ValueError, match="guide_source='teacher'"):
+        LoopConfig(guide_source="teacher")
+    with pytest.raises(ValueError, match="guide_samples"):
+        LoopConfig(guide_samples=0)
+
+
 def test_guide_groups_need_a_dense_model(tmp_path):
     cfg = load_config(
         SMOKE,
