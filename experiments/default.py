@@ -81,7 +81,8 @@ def get_config(arg=None):
     # 71.1% to 75.4% sampled (RL seed 1: +0.8 +- 1.1); its first 128 tasks had read +6.3. The
     # variants measured since session 7 (more steps, groups of 8, GiGPO, KL, entropy bonus,
     # process penalties, learning rates, turn limits, stratum and bug-type selection, expert
-    # guidance, deeper or wider-headed models, SFT variants) gained no more: the README's
+    # and on-policy guidance, a learned critic, deeper or wider-headed models, SFT variants)
+    # gained no more: the README's
     # status section sums them up and its experiment log has each run's numbers.
     tr = cfg.train
     tr.rl_steps = 50
