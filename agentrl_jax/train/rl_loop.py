@@ -79,7 +79,8 @@ class LoopConfig:
         ``init_from`` is a run dir whose ``summary.json`` holds its own before-RL evaluation
         of that SFT checkpoint under the same ``eval`` section and dtype policy, that
         evaluation is reused (``eval_before_from`` in the summary names it), so RL-only runs
-        from one SFT run still report paired gains.
+        from one SFT run still report paired gains. It was computed by that run's code: after
+        a change to the environment or the evaluation, set ``eval_before=True`` instead.
       greedy_member: the last rollout of each group decodes greedily (argmax, as greedy
         evaluation does) instead of sampling. Greedy-only failures (e.g. repeating a rejected
         call) then reach the gradient: a greedy member that fails where its sampled siblings
@@ -295,6 +296,7 @@ class RLRun:
         greedy = (np.arange(g) == g - 1) & self.loop.greedy_member  # per group member
         key = jax.random.fold_in(jax.random.fold_in(self.rollout_key, step), round_index)
         traj = self._play([it["task"] for it in items], g, key, np.tile(greedy, len(items)))
+        expert = self.loop.guide_source == "expert"
         groups = []
         for i in range(len(items)):
             idx = np.arange(i * g, (i + 1) * g)
@@ -303,7 +305,6 @@ class RLRun:
             rows["guided"] = np.zeros(g, bool)
             store.append(rows)
             rewards = [float(r) for r in rows["outcome_reward"]]
-            expert = self.loop.guide_source == "expert"
             if expert and self._guides_left > 0 and not rows["success"].any():
                 guided = self._guided_rows(items[i]["task"], rows, group_id=i)
                 if guided is not None:  # train.guide_groups
@@ -317,7 +318,7 @@ class RLRun:
                     "rows": len(store) - 1,
                 }
             )
-        if self.loop.guide_source == "policy" and self._guides_left > 0:
+        if not expert and self._guides_left > 0:
             self._policy_guides(groups, items, store, jax.random.fold_in(key, 1))
         return groups
 
