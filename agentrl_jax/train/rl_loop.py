@@ -162,6 +162,16 @@ def _rows(traj, idx: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
+def _with_first_member(rows: dict, one: dict, length: int) -> dict:
+    """A copy of a group's ``rows`` padded to ``length`` whose first member is the one-row
+    ``one`` (a guide's episode), flagged in ``guided``."""
+    out = _concat([rows], length)
+    for key, value in _concat([one], length).items():
+        out[key][0] = value[0]
+    out["guided"] = np.arange(len(out["guided"])) == 0
+    return out
+
+
 def _concat(parts: list[dict[str, np.ndarray]], length: int) -> dict[str, np.ndarray]:
     """Concatenates row dicts along the batch, padding time to ``length``."""
     out = {}
@@ -359,26 +369,22 @@ class RLRun:
         if not failed:
             return
         k = self.loop.guide_samples
-        tasks = [items[i]["task"] for i in failed]
-        for start in range(0, len(tasks), max(self.batch_size // k, 1)):  # <= n_slots episodes
-            part = failed[start : start + max(self.batch_size // k, 1)]
+        per_call = max(self.batch_size // k, 1)  # <= n_slots episodes per rollout call
+        for start in range(0, len(failed), per_call):
+            part = failed[start : start + per_call]
             traj = self._play(
-                tasks[start : start + len(part)],
+                [items[i]["task"] for i in part],
                 k,
                 jax.random.fold_in(key, start),
                 np.zeros(len(part) * k, bool),
             )
             for j, i in enumerate(part):
                 won = np.flatnonzero(np.asarray(traj.success)[j * k : (j + 1) * k])
-                if not len(won):
-                    continue
-                one = _concat([_rows(traj, np.array([j * k + won[0]]))], self.sampling.max_len)
-                out = _concat([store[groups[i]["rows"]]], self.sampling.max_len)
-                for name, value in one.items():
-                    out[name][0] = value[0]
-                out["guided"] = np.arange(len(out["guided"])) == 0
-                self._guided[groups[i]["rows"]] = out
-                groups[i]["rewards"][0] = float(one["outcome_reward"][0])
+                if len(won):
+                    row = groups[i]["rows"]
+                    one = _rows(traj, np.array([j * k + won[0]]))
+                    self._guided[row] = _with_first_member(store[row], one, self.sampling.max_len)
+                    groups[i]["rewards"][0] = float(one["outcome_reward"][0])
         self._guides_left -= len(failed)
 
     def _guided_rows(self, task, rows: dict, group_id: int) -> dict | None:
@@ -398,11 +404,7 @@ class RLRun:
         )
         kv = "kv_evict_at" in rows
         one = _rows(stack_episodes([rec], pad_to=self.sampling.max_len, kv_masks=kv), [0])
-        out = _concat([rows], self.sampling.max_len)
-        for key, value in one.items():
-            out[key][0] = value[0]
-        out["guided"] = np.arange(len(out["guided"])) == 0
-        return out
+        return _with_first_member(rows, one, self.sampling.max_len)
 
     def step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -785,11 +787,11 @@ def initial_params(source: str, template):
     if os.path.isdir(os.path.join(source, "checkpoints")):  # a run dir: its SFT stage
         source = stage_dir(source, "sft")
     head = template["params"].get("value_head")
-    if head is None:
-        return restore_params(source, template)[0]
     try:
         return restore_params(source, template)[0]
-    except ValueError:  # the checkpoint's tree has no value head (fewer leaves)
+    except ValueError:  # with a head: the checkpoint's tree may lack it (fewer leaves)
+        if head is None:
+            raise
         trunk = {
             **template,
             "params": {k: v for k, v in template["params"].items() if k != "value_head"},

@@ -171,22 +171,6 @@ def test_rl_with_a_critic_from_a_checkpoint_without_one(tmp_path):
     assert any(moved)
 
 
-@pytest.mark.parametrize(
-    "overrides, match",
-    [
-        (["model.value_head=shared", "rl.loss.vf_coef=0.5"], "critic for train.advantage='gae'"),
-        (["model.value_head=shared", "train.advantage=gae"], "vf_coef=0.0"),
-        (["rl.loss.vf_coef=0.5", "train.advantage=gae"], "needs a value head"),
-        (["model.value_head=yes"], "value_head='yes'"),
-    ],
-)
-def test_critic_config_is_checked_before_sft(tmp_path, overrides, match):
-    cfg = load_config(SMOKE, [f"workdir={tmp_path}", *overrides])
-    with pytest.raises(ValueError, match=match):
-        run(cfg, progress=False)
-    assert os.listdir(tmp_path) == []
-
-
 def test_initial_params_keeps_a_saved_head_and_adds_a_missing_one(tmp_path):
     from agentrl_jax.train.rl_loop import initial_params
 

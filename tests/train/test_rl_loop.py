@@ -150,6 +150,10 @@ def test_greedy_member_leaves_a_sampled_member(tmp_path):
         (["rollout.temperature=0"], "temperature"),
         (["model.n_layers=3"], "multiple of len\\(layer_pattern\\)"),
         (["sft.steps=0"], "steps"),
+        (["model.value_head=shared", "rl.loss.vf_coef=0.5"], "critic for train.advantage='gae'"),
+        (["model.value_head=shared", "train.advantage=gae"], "vf_coef=0.0"),
+        (["rl.loss.vf_coef=0.5", "train.advantage=gae"], "needs a value head"),
+        (["model.value_head=yes"], "value_head='yes'"),
     ],
 )
 def test_bad_config_fails_before_sft(tmp_path, overrides, match):
