@@ -123,18 +123,50 @@ class EvalConfig:
             raise ValueError(f"EvalConfig.max_len={self.max_len} must be >= 64, a multiple of 16")
 
 
-def eval_tasks(split: str, difficulty: int, n: int, *, seed: int = 0) -> list:
-    """The first ``n`` tasks of ``split`` at ``difficulty`` (bug types balanced; deterministic).
+def eval_data_config(
+    split: str, difficulty: int, n: int, *, seed: int = 0, data: DataConfig | None = None
+) -> DataConfig:
+    """The task settings ``eval_tasks`` draws ``n`` tasks of ``split`` with, validated.
+
+    The held-out splits are the fixed benchmark: ``DataConfig()``'s seed range and bug types,
+    whatever a run trains on, so every run is scored on the same tasks. ``"train"`` is the
+    run's own training distribution when ``data`` (its ``data`` section) is given: its
+    ``train_seeds``, bug types and held-out combinations (``difficulties`` is replaced by
+    ``difficulty``). With ``data.train_seeds=(0, 128)`` at difficulty 1 that is the 512 tasks
+    such a run trains on, so ``n=512`` scores a policy on exactly its training tasks (the
+    ceiling of what RL on them reaches, README session 20).
 
     Raises:
-      ValueError: bad split / difficulty / n, or a split without tasks at this difficulty.
+      ValueError: bad split / difficulty / n, a split without tasks at this difficulty, or
+        ``n`` above the number of distinct tasks of the split (a task would count twice).
     """
     if split not in EVAL_SPLITS:
         raise ValueError(f"split={split!r} must be one of {EVAL_SPLITS}")
     difficulty_config(difficulty)
     if n < 1:
         raise ValueError(f"n={n} must be >= 1")
-    cfg = DataConfig(difficulties=(difficulty,), shuffle_seed=seed)
+    base = data if data is not None and split == "train" else DataConfig()
+    cfg = dataclasses.replace(base, difficulties=(difficulty,), shuffle_seed=seed)
+    lo, hi = cfg.train_seeds if split == "train" else cfg.heldout_seeds
+    cells = len(cfg.cells(split))
+    if n > cells * (hi - lo):
+        raise ValueError(
+            f"n={n} is more than the {cells * (hi - lo)} distinct {split!r} tasks at difficulty "
+            f"{difficulty} (seeds [{lo}, {hi}) x {cells} bug-type cells)"
+        )
+    return cfg
+
+
+def eval_tasks(
+    split: str, difficulty: int, n: int, *, seed: int = 0, data: DataConfig | None = None
+) -> list:
+    """The first ``n`` tasks of ``split`` at ``difficulty`` (bug types balanced; deterministic;
+    ``data``: see ``eval_data_config``).
+
+    Raises:
+      ValueError: see ``eval_data_config``.
+    """
+    cfg = eval_data_config(split, difficulty, n, seed=seed, data=data)
     pipe = TaskPipeline(cfg, split, task_factory=make_task_factory(make_task), adaptive=False)
     return [item["task"] for item in pipe.next_batch(n)]
 
@@ -378,14 +410,20 @@ def pass_at_k(
 
 
 def evaluate_split(
-    model: Transformer, params: Any, cfg: EvalConfig, *, with_transcripts: bool = False
+    model: Transformer,
+    params: Any,
+    cfg: EvalConfig,
+    *,
+    data: DataConfig | None = None,
+    with_transcripts: bool = False,
 ) -> dict[str, Any]:
-    """Runs every mode of ``cfg.modes`` on ``eval_tasks(cfg.split, cfg.difficulty, ...)``.
+    """Runs every mode of ``cfg.modes`` on ``eval_tasks(cfg.split, cfg.difficulty, ...)``
+    (``data``: the run's data section, which picks the ``"train"`` split's tasks).
 
     Returns ``{"split", "difficulty", "<mode>": result dict, ...}`` (see ``evaluate`` for
     ``with_transcripts``).
     """
-    tasks = eval_tasks(cfg.split, cfg.difficulty, cfg.n_episodes, seed=cfg.seed)
+    tasks = eval_tasks(cfg.split, cfg.difficulty, cfg.n_episodes, seed=cfg.seed, data=data)
     out: dict[str, Any] = {"split": cfg.split, "difficulty": cfg.difficulty}
     for mode in cfg.modes:
         out[mode] = evaluate(
@@ -479,8 +517,11 @@ def run_from_cli(args: argparse.Namespace) -> int:
     ckpt = _checkpoint_path(path, run_dir)
     params, step = restore_params(ckpt, template)
     cfg = _eval_config(cfg_dict, args)
+    data = to_dataclass(cfg_dict["data"], DataConfig) if cfg_dict.get("data") else None
     result = {"checkpoint": ckpt, "step": step, "seed": cfg.seed}
-    result.update(evaluate_split(model, params, cfg, with_transcripts=bool(transcript_path)))
+    result.update(
+        evaluate_split(model, params, cfg, data=data, with_transcripts=bool(transcript_path))
+    )
     if transcript_path:
         with open(transcript_path, "x") as f:
             for mode in cfg.modes:
@@ -488,7 +529,7 @@ def run_from_cli(args: argparse.Namespace) -> int:
                     f.write(json.dumps({"mode": mode, **rec}) + "\n")
     k = getattr(args, "pass_k", None)
     if k:
-        tasks = eval_tasks(cfg.split, cfg.difficulty, cfg.n_episodes, seed=cfg.seed)
+        tasks = eval_tasks(cfg.split, cfg.difficulty, cfg.n_episodes, seed=cfg.seed, data=data)
         result["pass_at_k"] = pass_at_k(model, params, tasks, k=k, cfg=cfg)
     sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
     sys.stdout.flush()

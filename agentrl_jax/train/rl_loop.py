@@ -595,11 +595,14 @@ def rl_config(section) -> RLConfig:
     return to_dataclass(data, RLConfig)
 
 
-def _eval(model_cfg, policy, params, eval_section) -> dict[str, Any]:
+def _eval(model_cfg, policy, params, cfg: ConfigDict) -> dict[str, Any]:
+    """``evaluate_split`` under ``cfg.eval`` (``cfg.data`` picks the ``"train"`` split's tasks)."""
+    from agentrl_jax.data.pipeline import DataConfig
     from agentrl_jax.train.evaluate import EvalConfig, evaluate_split
 
-    ev = to_dataclass(eval_section, EvalConfig)
-    return evaluate_split(Transformer(model_cfg, policy), params, ev)
+    ev = to_dataclass(cfg.eval, EvalConfig)
+    data = to_dataclass(cfg.data, DataConfig)
+    return evaluate_split(Transformer(model_cfg, policy), params, ev, data=data)
 
 
 def _eval_metrics(result: dict) -> dict[str, float]:
@@ -633,7 +636,7 @@ def check_config(cfg: ConfigDict) -> None:
     """
     from agentrl_jax.data.pipeline import DataConfig
     from agentrl_jax.rollout.sampler import SamplingConfig
-    from agentrl_jax.train.evaluate import EvalConfig
+    from agentrl_jax.train.evaluate import EvalConfig, eval_data_config
     from agentrl_jax.train.sft import SFTConfig
 
     model = to_dataclass(cfg.model, ModelConfig)
@@ -641,7 +644,7 @@ def check_config(cfg: ConfigDict) -> None:
     to_dataclass(cfg.sft, SFTConfig)
     loop = to_dataclass(cfg.train, LoopConfig)
     to_dataclass(cfg.rollout, SamplingConfig)
-    to_dataclass(cfg.eval, EvalConfig)
+    ev = to_dataclass(cfg.eval, EvalConfig)
     data = to_dataclass(cfg.data, DataConfig)
     if not data.cells("train"):
         raise ValueError(
@@ -649,6 +652,7 @@ def check_config(cfg: ConfigDict) -> None:
             f"bug_types={data.bug_types}: heldout_combo={data.heldout_combo} holds out every "
             "combination (set data.heldout_combo=() to hold out none)"
         )
+    eval_data_config(ev.split, ev.difficulty, ev.n_episodes, seed=ev.seed, data=data)
     if loop.greedy_member and data.group_size < 2:
         raise ValueError(
             f"train.greedy_member needs data.group_size >= 2, not {data.group_size} "
@@ -708,7 +712,7 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
         params = init_params(Transformer(model_cfg, policy), jax.random.key(cfg.seed))
 
     if loop.eval_before and "heldout_success_before_rl" not in prior:
-        before = _eval(model_cfg, policy, params, cfg.eval)
+        before = _eval(model_cfg, policy, params, cfg)
         prior["heldout_success_before_rl"] = _mode(before, "success")
         prior["goal_adherence_before_rl"] = _mode(before, "goal_adherence")
         prior["eval_before"] = before
@@ -738,7 +742,7 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
             1, reward=metrics["reward"], success=metrics["success"], ent=metrics.get("entropy", 0)
         )
         if loop.eval_every and (step + 1) % loop.eval_every == 0 and step + 1 < loop.rl_steps:
-            mid = _eval(model_cfg, policy, rl.state.params, cfg.eval)
+            mid = _eval(model_cfg, policy, rl.state.params, cfg)
             writer.write(step + 1, _eval_metrics(mid), prefix="eval")
             prior.setdefault("eval_mid", {})[str(step + 1)] = mid  # in summary.json
         if (step + 1) % loop.ckpt_every == 0 or step + 1 == loop.rl_steps:
@@ -746,7 +750,7 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
             prior["entropies"] = entropy
             _dump(summary_path, prior)
     bar.close()
-    after = _eval(model_cfg, policy, rl.state.params, cfg.eval)
+    after = _eval(model_cfg, policy, rl.state.params, cfg)
     writer.write(loop.rl_steps, _eval_metrics(after), prefix="eval")
     writer.close()
     finite = [e for e in entropy if np.isfinite(e)]
@@ -761,6 +765,7 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
         "heldout_sampled_success_after_rl": after.get("sampled", {}).get("success"),
         "heldout_gain": _gains(prior.get("eval_before"), after),
         "eval_before_from": prior.get("eval_before_from"),
+        "eval_split": cfg.eval.split,
         "entropy_start": finite[0] if finite else None,
         "entropy_end": finite[-1] if finite else None,
         "nonfinite_steps": int(rl.state.nonfinite_count),
@@ -804,13 +809,16 @@ def initial_params(source: str, template):
 def _stored_sft_eval(source: str, cfg: ConfigDict) -> tuple[dict, str] | None:
     """``(evaluation, summary path)`` of the SFT checkpoint a run dir ``source`` holds, when its
     summary has the before-RL evaluation and its config the same ``eval`` section and dtype
-    policy as ``cfg`` (same tasks, same decoding); else None."""
+    policy as ``cfg`` (same tasks, same decoding), and for ``eval.split="train"`` the same
+    ``data`` section (which picks those tasks); else None."""
     summary = os.path.join(source, "summary.json")
     if not (os.path.isfile(summary) and os.path.isfile(os.path.join(source, "config.json"))):
         return None
     src = load_config_json(source)
     before = json.load(open(summary)).get("eval_before")
     same = json.loads(json.dumps(cfg.eval.to_dict())) == src.get("eval")
+    if cfg.eval.split == "train":  # the run's own training tasks: its data section picks them
+        same = same and json.loads(json.dumps(cfg.data.to_dict())) == src.get("data")
     if not before or not same or src.get("policy") != cfg.policy:
         return None
     return before, os.path.abspath(summary)

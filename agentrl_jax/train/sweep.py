@@ -376,7 +376,7 @@ def _run_vectorized(spec, overrides, sweep_dir, state, todo, progress) -> None:
                 if p.init_key not in initial:
                     initial[p.init_key] = init_params(model, jax.random.key(p.init_key))
         before = (
-            {k: _eval(model_cfg, policy, v, base.eval) for k, v in initial.items()}
+            {k: _eval(model_cfg, policy, v, base) for k, v in initial.items()}
             if loop.eval_before
             else {}
         )
@@ -480,7 +480,7 @@ def _finish_point(p: _Point, i: int, vstate: VecState, loop, before: dict, t0: f
 
     e = p.entry
     final = _row(vstate.params, i)
-    after = _eval(p.rl.model_cfg, p.rl.policy, final, p.cfg.eval)
+    after = _eval(p.rl.model_cfg, p.rl.policy, final, p.cfg)
     p.writer.write(loop.rl_steps, {"heldout_success": _mode(after, "success")}, prefix="eval")
     i32 = lambda v: jnp.asarray(v, jnp.int32)
     p.rl.state = p.rl.state._replace(

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from agentrl_jax.data import DataConfig
 from agentrl_jax.envs.coderepair import BUG_TYPES
 from agentrl_jax.metrics import save_config
 from agentrl_jax.model.config import ModelConfig
@@ -148,6 +149,23 @@ def test_eval_tasks_deterministic_and_split():
     assert all(t.split == "train" for t in eval_tasks("train", 0, 2))
     with pytest.raises(ValueError, match="split"):
         eval_tasks("test", 1, 2)
+
+
+def test_eval_tasks_of_the_train_split_follow_the_run_data_section():
+    """``data`` picks the train split's tasks (a run's own training tasks); the held-out
+    benchmark ignores it; asking for more tasks than the split holds is an error."""
+    data = DataConfig(difficulties=(0,), train_seeds=(0, 2), heldout_seeds=(10**6, 10**6 + 2))
+    tasks = eval_tasks("train", 1, 8, data=data)  # 4 bug-type cells x 2 seeds
+    assert {t.seed for t in tasks} == {0, 1} and all(t.difficulty == 1 for t in tasks)
+    assert len({(t.seed, t.bug_types) for t in tasks}) == 8
+    with pytest.raises(ValueError, match="n=9 is more than the 8 distinct 'train' tasks"):
+        eval_tasks("train", 1, 9, data=data)
+    logic_only = dataclasses.replace(data, bug_types=("logic",), heldout_combo=())
+    logic = eval_tasks("train", 1, 2, data=logic_only)
+    assert [t.bug_types for t in logic] == [("logic",), ("logic",)]
+    heldout = [t.seed for t in eval_tasks("heldout", 1, 8, data=data)]
+    assert heldout == [t.seed for t in eval_tasks("heldout", 1, 8)]
+    assert len(set(heldout)) > 2  # not data.heldout_seeds' two seeds
     with pytest.raises(ValueError, match="difficulty"):
         EvalConfig(difficulty=9)
 
@@ -175,8 +193,10 @@ def test_evaluate_keys_on_tiny_model(tiny):
 def test_cli_on_run_dir(tiny, tmp_path, capsys):
     model, params = tiny
     greedy_only = dataclasses.asdict(dataclasses.replace(EVAL, modes=("greedy",)))
+    data = dataclasses.asdict(DataConfig(train_seeds=(0, 1)))  # one seed: 4 tasks per level
     save_config(
-        tmp_path, {"model": dataclasses.asdict(TINY), "policy": "fp32", "eval": greedy_only}
+        tmp_path,
+        {"model": dataclasses.asdict(TINY), "policy": "fp32", "eval": greedy_only, "data": data},
     )
     with Checkpointer(stage_dir(tmp_path, "sft")) as ckpt:
         ckpt.save(3, params=params, opt_state={}, rng=jax.random.key(0))
@@ -218,6 +238,13 @@ def test_cli_on_run_dir(tiny, tmp_path, capsys):
     assert [r["success"] for r in recs] == [bool(x) for x in out["greedy"]["episode_success"]]
     for r, t in zip(recs, tasks):
         assert r["bugs"][0]["line"] == t.bugs[0].line and r["bugs"][0]["type"] == t.bugs[0].type
+    # --split train: the run's own training tasks (its data section's seed range)
+    train_path = tmp_path / "train_calls.jsonl"
+    train = {**vars(args), "split": "train", "transcripts": str(train_path)}
+    assert run_from_cli(argparse.Namespace(**train)) == 0
+    assert {json.loads(x)["task_seed"] for x in train_path.read_text().splitlines()} == {0}
+    with pytest.raises(ValueError, match="n=5 is more than the 4 distinct 'train' tasks"):
+        run_from_cli(argparse.Namespace(**{**train, "episodes": 5, "transcripts": None}))
         assert r["bugs"][0]["fix"] == list(t.bugs[0].fix)
         assert 1 <= len(r["turns"]) and set(r["turns"][0]) == {"tool", "args", "output", "error"}
     assert sum(len(r["turns"]) for r in recs) == round(out["greedy"]["mean_turns"] * 3)

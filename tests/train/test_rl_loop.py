@@ -120,6 +120,21 @@ def test_resume_is_bitwise(tmp_path):
         RLRun(cfg, str(broken), params, resume=False)
 
 
+def test_stored_eval_of_the_train_split_needs_the_same_data_section(tmp_path):
+    """With eval.split=train the run's data section picks the tasks evaluated: a stored
+    before-RL evaluation is reused only by a run whose data section is the same."""
+    from agentrl_jax.metrics import save_config
+
+    train_split = ["eval.split=train", "eval.n_episodes=8", "data.train_seeds=(0,2)"]
+    cfg = load_config(SMOKE, train_split)
+    save_config(str(tmp_path), cfg)
+    with open(tmp_path / "summary.json", "w") as f:
+        json.dump({"eval_before": {"greedy": {"success": 0.5}}}, f)
+    assert _stored_sft_eval(str(tmp_path), cfg) is not None
+    other_tasks = load_config(SMOKE, [*train_split, "data.train_seeds=(2,4)"])
+    assert _stored_sft_eval(str(tmp_path), other_tasks) is None
+
+
 def test_loop_config_validation():
     with pytest.raises(ValueError, match="advantage"):
         LoopConfig(advantage="nope")
@@ -154,6 +169,10 @@ def test_greedy_member_leaves_a_sampled_member(tmp_path):
         (["model.value_head=shared", "train.advantage=gae"], "vf_coef=0.0"),
         (["rl.loss.vf_coef=0.5", "train.advantage=gae"], "needs a value head"),
         (["model.value_head=yes"], "value_head='yes'"),
+        (
+            ["eval.split=train", "data.train_seeds=(0,2)", "eval.n_episodes=9"],
+            "n=9 is more than the 8 distinct 'train' tasks",
+        ),
     ],
 )
 def test_bad_config_fails_before_sft(tmp_path, overrides, match):
