@@ -79,7 +79,8 @@ def get_config(arg=None):
     # aggregation, negative advantages at half weight. On 512 held-out tasks (session 17) this
     # took session 14's SFT checkpoint from 74.0% to 78.3% greedy (+4.3 +- 1.4 paired) and
     # 71.1% to 75.4% sampled; its first 128 tasks had read +6.3. Over RL seeds 0-4 the greedy
-    # gain is +4.3, +0.8, +1.2, +2.9, +2.0 (mean +2.2, session 19). The
+    # gain is +4.3, +0.8, +1.2, +2.9, +2.0 (mean +2.2, session 19); on session 20's machine,
+    # from its own SFT checkpoint (74.2%), +2.0 (`make train`) and +1.0 at seed 1. The
     # variants measured since session 7 (more steps, groups of 8, GiGPO, KL, entropy bonus,
     # process penalties, learning rates, turn limits, stratum and bug-type selection, expert
     # and on-policy guidance, a learned critic, deeper or wider-headed models, SFT variants)
