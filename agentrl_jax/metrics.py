@@ -145,7 +145,7 @@ class JsonlWriter:
         out = {}
         for k, v in record.items():
             out[str(k)] = (
-                _plain(v) if isinstance(v, Mapping | list | tuple) else to_jsonable(v, key=str(k))
+                plain(v) if isinstance(v, Mapping | list | tuple) else to_jsonable(v, key=str(k))
             )
         self._file.write(json.dumps(out, allow_nan=False) + "\n")
 
@@ -286,15 +286,17 @@ class MetricsWriter:
         self.close()
 
 
-def _plain(obj: Any) -> Any:
+def plain(obj: Any) -> Any:
+    """``obj`` (ConfigDict, dataclass, mapping, sequence, scalar) as ``config.json`` stores it:
+    dicts, lists and JSON scalars (tuples become lists; unknown objects their ``repr``)."""
     if hasattr(obj, "to_dict") and callable(obj.to_dict):  # ml_collections.ConfigDict
-        return _plain(obj.to_dict())
+        return plain(obj.to_dict())
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return _plain(dataclasses.asdict(obj))
+        return plain(dataclasses.asdict(obj))
     if isinstance(obj, Mapping):
-        return {str(k): _plain(v) for k, v in obj.items()}
+        return {str(k): plain(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return [_plain(v) for v in obj]
+        return [plain(v) for v in obj]
     if isinstance(obj, float):
         return _float(obj)
     if obj is None or isinstance(obj, str | bool | int):
@@ -319,7 +321,7 @@ def save_config(run_dir: str | os.PathLike, config: Any) -> str:
     path = os.path.join(run_dir, CONFIG_FILE)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(_plain(config), f, indent=2, sort_keys=True)
+        json.dump(plain(config), f, indent=2, sort_keys=True)
         f.write("\n")
     os.replace(tmp, path)
     return path

@@ -39,6 +39,7 @@ from agentrl_jax.metrics import (
     load_config_json,
     make_run_dir,
     memory_metrics,
+    plain,
     save_config,
 )
 from agentrl_jax.model.config import ModelConfig
@@ -816,9 +817,9 @@ def _stored_sft_eval(source: str, cfg: ConfigDict) -> tuple[dict, str] | None:
         return None
     src = load_config_json(source)
     before = json.load(open(summary)).get("eval_before")
-    same = json.loads(json.dumps(cfg.eval.to_dict())) == src.get("eval")
+    same = plain(cfg.eval) == src.get("eval")
     if cfg.eval.split == "train":  # the run's own training tasks: its data section picks them
-        same = same and json.loads(json.dumps(cfg.data.to_dict())) == src.get("data")
+        same = same and plain(cfg.data) == src.get("data")
     if not before or not same or src.get("policy") != cfg.policy:
         return None
     return before, os.path.abspath(summary)
