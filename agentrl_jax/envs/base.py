@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,60 @@ class Env(Protocol):
 
     def step(self, action_tokens: Sequence[int]) -> tuple[list[int], StepResult]:
         """Applies one model turn; returns observation tokens and the step result."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolSpec:
+    """A tool as a chat model sees it (an OpenAI-style function schema).
+
+    Attributes:
+      name: the tool's name.
+      description: one or two sentences for the model.
+      parameters: JSON schema of the arguments object
+        (``{"type": "object", "properties": {...}, "required": [...]}``).
+    """
+
+    name: str
+    description: str
+    parameters: Mapping[str, Any]
+
+    def as_json(self) -> dict[str, Any]:
+        """The schema as chat templates take it: ``{"type": "function", "function": {...}}``."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": dict(self.parameters),
+            },
+        }
+
+
+@runtime_checkable
+class TextEnv(Protocol):
+    """An environment that also speaks text and structured tool calls.
+
+    This is what a chat-model adapter needs to let a real LLM (its own tokenizer, chat template
+    and tool-call format) play the environment: the adapter renders ``reset_text`` and each
+    observation with the family's template, parses the model's tool call in the family's format
+    and hands it to ``step_call``.
+    """
+
+    tool_specs: tuple[ToolSpec, ...]
+
+    def reset_text(self, task: Any) -> tuple[str, str]:
+        """Starts an episode on ``task``; returns ``(system_prompt, first_user_message)``."""
+        ...
+
+    def step_call(
+        self, name: str | None, arguments: Mapping[str, Any] | None, error: str | None = None
+    ) -> tuple[str, StepResult]:
+        """Applies one model turn given as a parsed call (or ``error``: why it did not parse).
+
+        A turn whose call did not parse (``name is None``, ``error`` set) still counts as a turn
+        and returns an error observation naming the problem; the episode goes on.
+        """
         ...
 
 
