@@ -30,8 +30,8 @@ DEBUG_ENV = "AGENTRL_DEBUG"
 
 # subcommand -> module whose run_from_cli(args) implements it.
 COMMANDS: dict[str, str] = {
-    "train": "agentrl_jax.train.rl_loop",
-    "eval": "agentrl_jax.train.evaluate",
+    "train": "agentrl_jax.train.main",
+    "eval": "agentrl_jax.train.eval_cli",
     "sweep": "agentrl_jax.train.sweep",
     "plan": "agentrl_jax.model.plan",
     "report": "agentrl_jax.report",

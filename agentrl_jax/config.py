@@ -1,13 +1,15 @@
 """Experiment configs: module loading, ``key=value`` variants, ``--set`` overrides, sweeps.
 
 An experiment is a Python module ``experiments/<name>.py`` with ``get_config(arg=None)``
-returning an ``ml_collections.ConfigDict`` built on :func:`base_config`, and optionally
-``sweep(add)`` calling ``add(**overrides)`` once per sweep point (big_vision style)::
+returning an ``ml_collections.ConfigDict`` built on ``agentrl_jax.experiment.base_config()``,
+and optionally ``sweep(add)`` calling ``add(**overrides)`` once per sweep point (big_vision
+style)::
 
     cfg = load_config("experiments/default.py:smoke=True", overrides=["model.n_layers=8"])
 
-Every default lives in :func:`base_config`. Sections mirror frozen dataclasses (the single source
-of each default); they are converted back with :func:`to_dataclass` at the edge, so a typo is an
+This module is the generic machinery and imports nothing of the project: the sections and their
+defaults live with the code that owns them (frozen dataclasses), ``agentrl_jax.experiment``
+assembles them, and :func:`to_dataclass` converts a section back at the edge, so a typo is an
 error instead of a silent new key.
 """
 
@@ -18,55 +20,12 @@ import dataclasses
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
 
 ConfigDict = ml_collections.ConfigDict
-
-
-def _section(cls) -> ConfigDict:
-    return ConfigDict(dataclasses.asdict(cls()))
-
-
-def base_config() -> ConfigDict:
-    """The one base config holding every default of a run. Experiments modify a copy."""
-    from agentrl_jax.data.pipeline import DataConfig
-    from agentrl_jax.model.config import ModelConfig
-    from agentrl_jax.rl.state import RLConfig
-    from agentrl_jax.rollout.sampler import SamplingConfig
-    from agentrl_jax.sharding import MeshConfig
-    from agentrl_jax.train.evaluate import EvalConfig
-    from agentrl_jax.train.rl_loop import LoopConfig
-    from agentrl_jax.train.sft import SFTConfig
-
-    cfg = ConfigDict()
-    cfg.name = "experiment"
-    cfg.seed = 0
-    cfg.smoke = False
-    cfg.workdir = "runs"  # run directories are created under here
-    cfg.policy = "fp32"  # agentrl_jax.precision preset name
-    cfg.model = _section(ModelConfig)
-    cfg.mesh = _section(MeshConfig)
-    cfg.sft = _section(SFTConfig)  # supervised warm start
-    cfg.eval = _section(EvalConfig)  # held-out evaluation
-    cfg.data = _section(DataConfig)  # task pipeline: difficulty band, diversity
-    cfg.rollout = _section(SamplingConfig)  # sampler and KV-cache shape
-    cfg.rl = _section(RLConfig)  # optimiser, PPO, losses, corrections, fallback
-    cfg.train = _section(LoopConfig)  # the RL loop
-    for name, factory in _EXTRA_SECTIONS.items():
-        cfg[name] = _section(factory())
-    return cfg
-
-
-# Sections contributed by subsystems: name -> zero-arg callable returning the dataclass type.
-_EXTRA_SECTIONS: dict[str, Callable[[], type]] = {}
-
-
-def register_section(name: str, cls_getter: Callable[[], type]) -> None:
-    """Adds a config section whose defaults are the fields of a frozen dataclass."""
-    _EXTRA_SECTIONS[name] = cls_getter
 
 
 def _literal(text: str) -> Any:

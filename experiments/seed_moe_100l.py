@@ -8,7 +8,8 @@ or the smoke variant.
     agentrl plan experiments/seed_moe_100l.py --devices 256
 """
 
-from agentrl_jax.config import base_config, parse_arg
+from agentrl_jax.config import parse_arg
+from agentrl_jax.experiment import base_config
 
 
 def get_config(arg=None):

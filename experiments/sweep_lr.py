@@ -5,9 +5,9 @@
     agentrl sweep experiments/sweep_lr.py:smoke=True,vmap=True  seconds-sized check
 
 Variants: ``smoke`` (the default experiment's smoke model and loop, no SFT), ``vmap`` (sets
-``sweep_vectorized``: the swept values become traced inputs of one jitted, vmapped update, which
-runs 1 PPO epoch x 1 minibatch per step instead of the default's 4 x 2; see
-``agentrl_jax.train.sweep``).
+``sweep_vectorized``: one jitted ``jax.vmap`` of the RL update for all points, each point's
+values in its own learner state; it needs 1 PPO epoch x 1 minibatch per step, the default's
+setting; see ``agentrl_jax.train.sweep_vmap``).
 """
 
 import os
@@ -22,7 +22,7 @@ def get_config(arg=None):
     default = load_module(os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"))
     cfg = default.get_config(f"smoke={arg.smoke}")
     cfg.name = "sweep_lr"
-    cfg.sweep_vectorized = arg.vmap  # top-level key read by agentrl_jax.train.sweep
+    cfg.sweep_vectorized = arg.vmap
     if arg.vmap:  # the vmapped learner runs one update per step (1 PPO epoch x 1 minibatch)
         cfg.rl.ppo_epochs = 1
         cfg.rl.n_minibatches = 1

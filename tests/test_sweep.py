@@ -17,8 +17,8 @@ from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rl.losses import LossConfig
 from agentrl_jax.rl.state import RLConfig, init_train_state
-from agentrl_jax.rl.update import make_update_fn, prepare_batch
-from agentrl_jax.train import sweep
+from agentrl_jax.rl.update import make_update_fn
+from agentrl_jax.train import sweep, sweep_vmap
 
 B, T = 4, 12
 CFG = ModelConfig(
@@ -54,8 +54,9 @@ def _batch(seed):
 
 
 def test_vmapped_update_matches_per_point_update_fn():
-    """P=2 points (lr, weight decay, clip bounds swept) x 2 steps on fixed batches equal two
-    separate jitted ``make_update_fn`` learners (warmup schedule, AdamW decay, clipping)."""
+    """P=2 points (lr, weight decay, clip bounds swept) x 2 steps on fixed batches: jax.vmap of
+    the one update over stacked point states equals two separate jitted ``make_update_fn``
+    learners (warmup schedule, AdamW decay, clipping)."""
     model = Transformer(CFG, get_policy("fp32"))
     params = init_params(model, jax.random.key(0))
     base = RLConfig(lr=1e-2, warmup_steps=2, weight_decay=0.0, grad_clip=0.5, micro_batch=2)
@@ -64,17 +65,15 @@ def test_vmapped_update_matches_per_point_update_fn():
         base.replace(lr=3e-3, weight_decay=0.01, loss=LossConfig(clip_low=0.3, clip_high=0.2)),
     ]
     batches = [_batch(1), _batch(2)]
-    sweep.check_vectorizable(points, {"rl.lr", "rl.weight_decay", "rl.loss.clip_low"})
-    init_fn, update_fn = sweep.make_vmapped_update(model, base)
-    stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
-    vstate = init_fn(stack([params] * len(points)))
-    hp = sweep.hyperparams(points)
+    sweep_vmap.check_vectorizable(points, {"rl.lr", "rl.weight_decay", "rl.loss.clip_low"})
+    update_fn = sweep_vmap.make_vmapped_update(model, base)
+    fresh = lambda c: init_train_state(jax.tree.map(jnp.copy, params), c, jax.random.key(1))
+    vstate = sweep_vmap.stack([sweep_vmap.with_hparams(fresh(c), c) for c in points])
     for b in batches:
-        data = prepare_batch(b, base, model)
-        vstate, vm = update_fn(vstate, stack([data] * len(points)), hp)
+        vstate, vm = update_fn(vstate, sweep_vmap.stack([b] * len(points)))
     for p, rl_cfg in enumerate(points):
         fn = make_update_fn(model, rl_cfg)
-        state = init_train_state(jax.tree.map(jnp.copy, params), rl_cfg, jax.random.key(1))
+        state = fresh(rl_cfg)
         for b in batches:
             state, m = fn(state, b)
         for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(vstate.params)):
@@ -89,15 +88,16 @@ def test_vmapped_update_matches_per_point_update_fn():
 def test_vectorizable_checks():
     base = RLConfig()
     with pytest.raises(ValueError, match="cannot vectorise"):
-        sweep.check_vectorizable([base], {"rl.loss.entropy_coef"})
+        sweep_vmap.check_vectorizable([base], {"rl.loss.entropy_coef"})
     with pytest.raises(ValueError, match="not traced"):
-        sweep.check_vectorizable([base, base.replace(micro_batch=2)], {"rl.lr"})
+        sweep_vmap.check_vectorizable([base, base.replace(micro_batch=2)], {"rl.lr"})
     with pytest.raises(ValueError, match="ppo_epochs"):
-        sweep.make_vmapped_update(None, base.replace(ppo_epochs=2))
+        sweep_vmap.make_vmapped_update(None, base.replace(ppo_epochs=2))
 
 
 EXPERIMENT = """
-from agentrl_jax.config import base_config, parse_arg
+from agentrl_jax.config import parse_arg
+from agentrl_jax.experiment import base_config
 
 def get_config(arg=None):
     arg = parse_arg(arg, smoke=False)
@@ -113,7 +113,7 @@ def sweep(add):
 
 
 class StubRun:
-    """Writes what rl_loop.run writes (metrics.jsonl, summary.json); crashes where told."""
+    """Writes what train.main.run writes (metrics.jsonl, summary.json); crashes where told."""
 
     def __init__(self, crash_lr=None):
         self.crash_lr = crash_lr
@@ -172,7 +172,7 @@ def test_cli_sweep_resumes_directory(tmp_path, monkeypatch, capsys):
     exp = tmp_path / "toy.py"
     exp.write_text(EXPERIMENT.format(workdir=str(tmp_path / "runs")))
     res = sweep.run_sweep(str(exp), run_fn=StubRun(crash_lr=1e-3))
-    monkeypatch.setattr("agentrl_jax.train.rl_loop.run", StubRun())
+    monkeypatch.setattr("agentrl_jax.train.main.run", StubRun())
     assert cli.main(["sweep", res.sweep_dir]) == 0
     out = capsys.readouterr().out
     assert res.sweep_dir in out and "p02" in out

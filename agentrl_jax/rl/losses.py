@@ -108,6 +108,15 @@ class LossConfig:
                 raise ValueError(f"{field}={band} must be (low, high) with 0 <= low < 1 < high")
             object.__setattr__(self, field, (float(band[0]), float(band[1])))
 
+    def with_traced(self, **values) -> LossConfig:
+        """A copy whose named fields hold traced values (e.g. per-point ``clip_low`` in a
+        ``jax.vmap``-ed sweep). Not validated: the values were validated as floats on the host;
+        the loss uses them arithmetically only."""
+        out = object.__new__(LossConfig)
+        for f in dataclasses.fields(LossConfig):
+            object.__setattr__(out, f.name, values.get(f.name, getattr(self, f.name)))
+        return out
+
 
 def _masked_mean(x: Array, mask: Array) -> Array:
     m = mask.astype(jnp.float32)

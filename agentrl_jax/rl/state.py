@@ -1,9 +1,10 @@
 """RL trainer configuration, train state and optimiser.
 
 ``RLConfig`` fixes every knob of the update (optimiser, PPO epochs/minibatches, micro-batching,
-the nested ``LossConfig``, replay switches, non-finite fallback); ``TrainState`` is the pytree the
-jitted ``update_fn`` consumes and returns (donated); ``make_optimizer`` builds the optax chain
-clip_by_global_norm -> AdamW with a warmup(+cosine) schedule.
+the nested ``LossConfig``, replay switches, non-finite fallback); ``TrainState`` is the pytree
+the jitted updates of SFT and RL consume and return (donated); ``make_optimizer`` builds the one
+optax chain clip_by_global_norm -> AdamW, its learning rate and weight decay injected
+hyperparameters (``rl_optimizer``: with the RL settings and warmup(+cosine) shape).
 """
 
 from __future__ import annotations
@@ -123,16 +124,23 @@ class RLConfig:
 
 
 class TrainState(NamedTuple):
-    """Everything the update carries from step to step (a pytree; donated to ``update_fn``).
+    """Everything a jitted update carries from step to step (a pytree; donated to the update).
+
+    The one train state of the project: SFT's ``train_step`` and RL's ``update_fn`` both take and
+    return it.
 
     Attributes:
       step: int32 scalar, update steps taken (skipped ones included).
       params: model parameters.
-      opt_state: optax state (unchanged by a skipped step).
+      opt_state: optax state of ``make_optimizer`` (unchanged by a skipped step); its
+        ``hyperparams`` hold the learning rate and weight decay as f32 scalars.
       rng: typed PRNG key of the run (the loop splits it; ``update_fn`` only reads it when no
         rng is passed).
       nonfinite_count: int32 scalar, steps skipped for non-finite loss/gradients so far.
       consecutive_nonfinite: int32 scalar, skipped steps in a row (0 after a good step).
+      hparams: loss hyperparameters as traced f32 scalars that override ``RLConfig.loss``
+        (``clip_low``, ``clip_high``), for a vectorised sweep (``jax.vmap`` of the update over
+        points); empty otherwise (the config's Python constants are used).
     """
 
     step: jax.Array
@@ -141,62 +149,104 @@ class TrainState(NamedTuple):
     rng: jax.Array
     nonfinite_count: jax.Array
     consecutive_nonfinite: jax.Array
+    hparams: dict = {}
 
 
-def learning_rate_schedule(cfg: RLConfig) -> optax.Schedule:
-    """Linear warmup to ``cfg.lr`` then constant, or cosine to ``lr * final_lr_ratio``."""
+def unit_schedule(cfg: RLConfig) -> optax.Schedule | None:
+    """The shape of the RL learning rate over updates, peak 1 (None: constant).
+
+    Linear warmup from 0 over ``warmup_steps``, then constant, or cosine to ``final_lr_ratio``
+    over ``decay_steps``. ``make_optimizer`` multiplies it by the (injected) peak rate.
+    """
     if cfg.decay_steps > 0:
         return optax.warmup_cosine_decay_schedule(
             init_value=0.0,
-            peak_value=cfg.lr,
+            peak_value=1.0,
             warmup_steps=cfg.warmup_steps,
             decay_steps=cfg.warmup_steps + cfg.decay_steps,
-            end_value=cfg.lr * cfg.final_lr_ratio,
+            end_value=cfg.final_lr_ratio,
         )
     if cfg.warmup_steps > 0:
         return optax.join_schedules(
-            [optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps), optax.constant_schedule(cfg.lr)],
+            [optax.linear_schedule(0.0, 1.0, cfg.warmup_steps), optax.constant_schedule(1.0)],
             [cfg.warmup_steps],
         )
-    return optax.constant_schedule(cfg.lr)
+    return None
 
 
-def _decay_mask(params):
+def decay_mask(params):
+    """Weight decay on parameters with ndim >= 2 only (not norm scales or biases)."""
     return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
 
 
-def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
-    """optax chain: clip_by_global_norm(grad_clip) -> AdamW(schedule, b1, b2, eps, wd).
+def make_optimizer(
+    learning_rate: float | optax.Schedule,
+    *,
+    shape: optax.Schedule | None = None,
+    weight_decay: float = 0.0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    grad_clip: float | None = None,
+    mask: Any = None,
+) -> optax.GradientTransformation:
+    """The project's optimiser: clip_by_global_norm(grad_clip) -> AdamW.
 
-    Weight decay skips parameters with fewer than 2 dimensions (norm scales, biases).
+    ``learning_rate`` and ``weight_decay`` are injected hyperparameters
+    (``optax.inject_hyperparams``): they live in the optimiser state as f32 scalars, so a
+    vectorised sweep stacks states whose points each carry their own values.
+
+    Args:
+      learning_rate: a float (the peak rate, stored in the state; times ``shape(count)`` when a
+        shape is given) or a schedule (evaluated every update from the state's count).
+      shape: optional schedule multiplying a float ``learning_rate`` (``unit_schedule``).
+      weight_decay: decoupled AdamW weight decay.
+      b1, b2, eps: Adam.
+      grad_clip: global-norm clip; None or 0 disables it.
+      mask: AdamW's weight-decay mask (``decay_mask``) or None (all parameters).
+
+    Raises:
+      ValueError: ``shape`` with a schedule ``learning_rate``.
     """
-    parts = []
-    if cfg.grad_clip is not None:
-        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-    parts.append(
-        optax.adamw(
-            learning_rate=learning_rate_schedule(cfg),
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=_decay_mask,
-        )
+    if shape is not None and callable(learning_rate):
+        raise ValueError("shape multiplies a float learning_rate, not a schedule")
+
+    def chain(learning_rate, weight_decay):
+        lr = learning_rate if shape is None else (lambda count: learning_rate * shape(count))
+        parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip else []
+        adamw = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
+        return optax.chain(*parts, adamw)
+
+    return optax.inject_hyperparams(chain)(learning_rate=learning_rate, weight_decay=weight_decay)
+
+
+def rl_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
+    """``make_optimizer`` with the RL settings (peak ``cfg.lr`` times ``unit_schedule(cfg)``)."""
+    return make_optimizer(
+        cfg.lr,
+        shape=unit_schedule(cfg),
+        weight_decay=cfg.weight_decay,
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        grad_clip=cfg.grad_clip,
+        mask=decay_mask,
     )
-    return optax.chain(*parts)
 
 
-def init_train_state(params, cfg: RLConfig, rng: jax.Array) -> TrainState:
+def init_train_state(params, cfg: RLConfig, rng: jax.Array, tx=None) -> TrainState:
     """Fresh ``TrainState`` (step 0, zero counters, optimiser initialised from ``params``).
 
-    ``params`` are not copied: ``update_fn`` donates the state, so pass a copy
-    (``jax.tree.map(jnp.copy, params)``) if the caller keeps using its own.
+    ``tx`` is the optimiser (default ``rl_optimizer(cfg)``). ``params`` are not copied: the
+    update donates the state, so pass a copy (``jax.tree.map(jnp.copy, params)``) if the caller
+    keeps using its own.
     """
     zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the state is donated
+    tx = rl_optimizer(cfg) if tx is None else tx
     return TrainState(
         step=zero(),
         params=params,
-        opt_state=make_optimizer(cfg).init(params),
+        opt_state=tx.init(params),
         rng=rng,
         nonfinite_count=zero(),
         consecutive_nonfinite=zero(),

@@ -16,7 +16,7 @@ One call = one update step:
      losses are weighted so that the sum equals the minibatch loss exactly (token-mean: share of
      action tokens, seq-mean-*: share of non-empty sequences, seq-mean-token-sum-norm: share of
      sequences); MoE load-balance/z losses are averaged over micro-batches;
-  4. clip_by_global_norm + AdamW (``make_optimizer``); an update whose loss, gradient norm or
+  4. clip_by_global_norm + AdamW (``rl.state.rl_optimizer``); an update whose loss, gradient norm or
      update norm is not finite is skipped (params and optimiser state kept via ``jnp.where``).
      A step with any skipped update counts as non-finite (``skipped``, ``nonfinite_steps``).
 
@@ -55,7 +55,7 @@ from agentrl_jax.rl.logprobs import (
 )
 from agentrl_jax.rl.losses import policy_loss, value_loss
 from agentrl_jax.rl.mismatch import mismatch_metrics
-from agentrl_jax.rl.state import RLConfig, TrainState, make_optimizer
+from agentrl_jax.rl.state import RLConfig, TrainState, rl_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +327,22 @@ def make_update_fn(
     policy: DTypePolicy | None = None,
     sampling_meta: Any = None,
 ) -> UpdateFn:
-    """Builds the jitted ``update_fn(state, batch, rng=None) -> (state, metrics)``.
+    """The jitted ``update_fn(state, batch, rng=None) -> (state, metrics)`` (state donated):
+    ``jax.jit`` of :func:`make_update`."""
+    return jax.jit(make_update(model, rl_cfg, policy, sampling_meta), donate_argnums=(0,))
+
+
+def make_update(
+    model: Transformer,
+    rl_cfg: RLConfig,
+    policy: DTypePolicy | None = None,
+    sampling_meta: Any = None,
+) -> UpdateFn:
+    """Builds ``update(state, batch, rng=None) -> (state, metrics)``, not jitted.
+
+    ``make_update_fn`` jits it; a vectorised sweep jits ``jax.vmap`` of it over states stacked
+    by point, each point's learning rate and weight decay in its optimiser state and its clip
+    bounds in ``state.hparams``.
 
     Args:
       model: the Transformer (its parameters live in ``state.params``).
@@ -337,13 +352,13 @@ def make_update_fn(
       sampling_meta: the sampler's chunk geometry (``ChunkSpec``, dict or object with
         ``chunk``/``page_size``/``max_len``); required by parity policies.
 
-    ``update_fn`` donates ``state``. ``rng`` (typed key or raw key data; default ``state.rng``)
-    is folded with ``state.step``. Metrics (f32 scalars): policy-loss parts averaged over the
-    applied updates (``loss``, ``pg_loss``, clip fractions, ``approx_kl``, ratio stats,
-    ``entropy``, MoE losses), ``grad_norm`` (pre-clip, mean) and ``grad_norm_max``,
-    ``skipped_updates``, ``skipped`` (1 if any update of the step was skipped),
-    ``nonfinite_steps``, ``tokens`` (valid), ``action_tokens``, ``n_updates`` and
-    ``mismatch/*`` (see ``rl.mismatch``) when rollout logprobs are given.
+    ``rng`` (typed key or raw key data; default ``state.rng``) is folded with ``state.step``.
+    ``state.hparams`` (``clip_low`` / ``clip_high``, traced) override the loss config's. Metrics
+    (f32 scalars): policy-loss parts averaged over the applied updates (``loss``, ``pg_loss``,
+    clip fractions, ``approx_kl``, ratio stats, ``entropy``, MoE losses), ``grad_norm``
+    (pre-clip, mean) and ``grad_norm_max``, ``skipped_updates``, ``skipped`` (1 if any update of
+    the step was skipped), ``nonfinite_steps``, ``tokens`` (valid), ``action_tokens``,
+    ``n_updates`` and ``mismatch/*`` (see ``rl.mismatch``) when rollout logprobs are given.
 
     Raises:
       ValueError: unsupported options (KV-mask replay without a parity policy, routing replay
@@ -361,10 +376,14 @@ def make_update_fn(
         raise ValueError("RLConfig.use_routing_replay=True needs an MoE model (n_experts > 0)")
     if model.policy.parity and spec is None:
         raise ValueError(f"policy {model.policy.name!r} needs sampling_meta (chunk geometry)")
-    tx = make_optimizer(rl_cfg)
-    grad_fn = make_grad_fn(model, rl_cfg, None, spec)
+    tx = rl_optimizer(rl_cfg)
+    config_grad_fn = make_grad_fn(model, rl_cfg, None, spec)
 
     def update(state: TrainState, batch: dict, rng=None):
+        grad_fn = config_grad_fn
+        if state.hparams:  # traced loss hyperparameters (a vectorised sweep)
+            traced = rl_cfg.replace(loss=rl_cfg.loss.with_traced(**state.hparams))
+            grad_fn = make_grad_fn(model, traced, None, spec)
         data = prepare_batch(batch, rl_cfg, model)
         b = data["tokens"].shape[0]
         bm = _check_divides(b, rl_cfg)
@@ -458,7 +477,8 @@ def make_update_fn(
             rng=state.rng,
             nonfinite_count=nonfinite,
             consecutive_nonfinite=consecutive,
+            hparams=state.hparams,
         )
         return new_state, metrics
 
-    return jax.jit(update, donate_argnums=(0,))
+    return update

@@ -287,3 +287,59 @@ def stack_episodes(
         kv_int8_at=int8,
         logs=tuple(logs),
     )
+
+
+# -- rows of a trajectory as plain arrays (the RL loop's batch assembly) ---------------------------
+
+Rows = dict[str, np.ndarray]
+NEVER = np.iinfo(np.int32).max  # the "not evicted / not int8" mark of kv_evict_at, kv_int8_at
+
+
+def select_rows(traj: Trajectory, idx) -> Rows:
+    """The arrays of ``traj``'s rows ``idx`` (per-turn logs and absent fields left out)."""
+    out = {}
+    for f in dataclasses.fields(traj):
+        v = getattr(traj, f.name)
+        if f.name != "logs" and v is not None:
+            out[f.name] = np.asarray(v)[idx]
+    return out
+
+
+def _pad_value(key: str, a: np.ndarray):
+    if key == "turn_ids":
+        return -1
+    if key.startswith("kv_") and a.dtype == np.int32:
+        return NEVER
+    return 0
+
+
+def concat_rows(parts: list[Rows], length: int) -> Rows:
+    """Concatenates row dicts along the batch, padding time to ``length`` (``turn_ids`` with -1,
+    the int32 KV marks with ``NEVER``, everything else with 0).
+
+    Raises:
+      ValueError: a part longer than ``length``.
+    """
+    out = {}
+    for key in parts[0]:
+        arrs = []
+        for p in parts:
+            a = p[key]
+            if a.ndim >= 2:
+                if a.shape[1] > length:
+                    raise ValueError(f"rows of {key!r} have {a.shape[1]} > length={length} steps")
+                pad = [(0, 0), (0, length - a.shape[1])] + [(0, 0)] * (a.ndim - 2)
+                a = np.pad(a, pad, constant_values=_pad_value(key, a))
+            arrs.append(a)
+        out[key] = np.concatenate(arrs, axis=0)
+    return out
+
+
+def with_first_row(rows: Rows, one: Rows, length: int) -> Rows:
+    """A copy of ``rows`` padded to ``length`` whose first row is the one-row ``one`` (e.g. a
+    guide's episode replacing a group's first member), flagged in ``guided``."""
+    out = concat_rows([rows], length)
+    for key, value in concat_rows([one], length).items():
+        out[key][0] = value[0]
+    out["guided"] = np.arange(len(out["guided"])) == 0
+    return out

@@ -1,12 +1,14 @@
 """Demonstrations for the SFT warm start: scripted-expert episodes as padded token batches.
 
-A demonstration is one episode of the code-repair environment played by the scripted expert
-(``envs.coderepair.ExpertPolicy``), optionally with detours (a wrong edit, a ``run`` that shows
-it failed, then the fix). It is stored as numpy arrays (T = episode tokens):
+A demonstration is one episode of the run's environment (``envs.registry``; the code-repair
+task by default) played by its scripted expert (``EnvSpec.expert``), optionally with detours (a
+wrong edit, a ``run`` that shows it failed, then the fix). It is stored as numpy arrays (T =
+episode tokens):
 
   * ``tokens`` int32 [T]: the whole episode stream (prompt, turns, observations);
   * ``action_mask`` bool [T]: tokens the expert (the policy) emitted;
-  * ``fix_mask`` bool [T]: action tokens of the turns that change the program (``edit``/``sub``),
+  * ``fix_mask`` bool [T]: action tokens of the turns that change the program
+    (``EnvSpec.fix_tools``, ``edit``/``sub`` in code repair),
     the turns that decide success (``run`` and ``submit`` turns are easy to imitate); detours
     excluded;
   * ``detour_mask`` bool [T]: action tokens of detour turns (a wrong edit or a rejected call the
@@ -27,7 +29,8 @@ episode, so a run compiles one train step per bucket; ``valid`` marks real token
 longer than the largest bucket are dropped by ``DemoStream`` (counted in ``dropped``).
 
 The stream is a ``grain`` pipeline: task specs from ``data.task_dataset`` over the train split
-(``data.DataConfig`` cells, equal weight per difficulty), mapped to demonstrations by
+of the run's ``data`` section (its bug types, held-out combinations and seeds at the stream's own
+difficulties, equal weight per difficulty), mapped to demonstrations by
 ``MakeDemo`` in reader threads that overlap with the jitted train step; its iterator state is a
 small JSON dict (restored exactly on resume).
 """
@@ -42,17 +45,18 @@ import grain
 import numpy as np
 
 from agentrl_jax.data import DataConfig, task_dataset
-from agentrl_jax.envs.coderepair import CodeRepairEnv, CodeTokenizer, ExpertPolicy, make_task
+from agentrl_jax.envs.base import Tokenizer
 from agentrl_jax.envs.episode import play_episode
+from agentrl_jax.envs.registry import EnvSpec, as_env, get_env
 
-FIX_TOOLS = ("edit", "sub")
 DEMO_KEYS = ("tokens", "action_mask", "fix_mask", "detour_mask", "turn_ids")
 
 
 def demo_episode(
     spec: Mapping[str, Any],
-    tokenizer: CodeTokenizer,
+    tokenizer: Tokenizer,
     *,
+    env: EnvSpec | None = None,
     detour_prob: float = 0.0,
     detour_seed: int = 0,
     max_guesses: int = 1,
@@ -63,6 +67,7 @@ def demo_episode(
     Args:
       spec: a task spec (``seed``, ``difficulty``, ``bug_types``) as ``data.task_dataset`` yields.
       tokenizer: the shared tokenizer.
+      env: the environment (default: code repair).
       detour_prob: probability of a detour before each fix, in ``[0, 1]``.
       detour_seed: randomness of the detours.
       max_guesses: most wrong guesses in a row in a wrong-guess detour (``expert_plan_detours``).
@@ -76,17 +81,18 @@ def demo_episode(
     Raises:
       ValueError: bad ``detour_prob``, ``max_guesses`` or task spec.
     """
-    task = make_task(int(spec["seed"]), int(spec["difficulty"]), bug_types=tuple(spec["bug_types"]))
-    policy = ExpertPolicy(
+    env = as_env(env)
+    task = env.task_factory()(spec)
+    policy = env.expert(
         task, tokenizer, detour_prob=detour_prob, seed=detour_seed, max_guesses=max_guesses
     )
-    ep = play_episode(CodeRepairEnv(tokenizer), task, policy)
+    ep = play_episode(env.env(tokenizer), task, policy)
     skipped = policy.detour_turns - policy.guess_turns if learn_guesses else policy.detour_turns
     detour_turns = sorted(skipped)
     fix_turns = [
         k + 1
         for k, log in enumerate(ep.logs)
-        if log.get("tool") in FIX_TOOLS and k + 1 not in skipped
+        if log.get("tool") in env.fix_tools and k + 1 not in skipped
     ]
     fix_mask = ep.action_mask & np.isin(ep.turn_ids, fix_turns)
     return {
@@ -106,6 +112,7 @@ class MakeDemo(grain.transforms.Map):
 
     def __init__(
         self,
+        env: str = "coderepair",
         detour_prob: float = 0.0,
         detour_seed: int = 0,
         max_guesses: int = 1,
@@ -117,12 +124,14 @@ class MakeDemo(grain.transforms.Map):
         self.detour_seed = detour_seed
         self.max_guesses = max_guesses
         self.learn_guesses = learn_guesses
-        self.tokenizer = CodeTokenizer()
+        self.env = get_env(env)
+        self.tokenizer = self.env.tokenizer()
 
     def map(self, element: Mapping[str, Any]) -> dict[str, Any]:
         return demo_episode(
             element,
             self.tokenizer,
+            env=self.env,
             detour_prob=self.detour_prob,
             detour_seed=self.detour_seed,
             max_guesses=self.max_guesses,
@@ -206,6 +215,7 @@ class DemoSource:
     """What a demonstration stream draws: difficulties, detours, bucket lengths, seeds.
 
     Attributes:
+      env: the environment's registry name.
       difficulties: environment difficulty levels (equal weight each).
       detour_prob: probability of a detour before each fix.
       max_guesses: most wrong guesses in a row in a wrong-guess detour (>= 1).
@@ -216,6 +226,7 @@ class DemoSource:
       crop_len: if > 0, demonstrations are cropped by ``crop_demo`` (padded to ``crop_len``).
     """
 
+    env: str = "coderepair"
     difficulties: tuple[int, ...] = (1,)
     detour_prob: float = 0.0
     max_guesses: int = 1
@@ -248,23 +259,26 @@ class DemoStream:
     Args:
       source: what to draw (``DemoSource``).
       batch_size: demonstrations per batch (>= 1).
+      data: the run's task settings (bug types, held-out combinations, train seeds); the
+        stream draws its train split at ``source.difficulties`` (default ``DataConfig()``).
 
     Raises:
       ValueError: bad ``batch_size`` or source.
     """
 
-    def __init__(self, source: DemoSource, batch_size: int):
+    def __init__(self, source: DemoSource, batch_size: int, data: DataConfig | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         self.source = source
         self.batch_size = batch_size
-        self.tokenizer = CodeTokenizer()
-        data_cfg = DataConfig(difficulties=source.difficulties)
+        self.tokenizer = get_env(source.env).tokenizer()
+        data_cfg = dataclasses.replace(data or DataConfig(), difficulties=source.difficulties)
         ds = task_dataset(
             "train", data_cfg.cells("train"), data_cfg.train_seeds, source.shuffle_seed
         )
         ds = ds.map(
             MakeDemo(
+                env=source.env,
                 detour_prob=source.detour_prob,
                 detour_seed=source.shuffle_seed,
                 max_guesses=source.max_guesses,

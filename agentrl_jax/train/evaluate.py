@@ -1,8 +1,8 @@
 """Evaluation: play episodes with the model through the rollout engine and summarise them.
 
-``evaluate(model, params, tasks, greedy=...)`` plays one episode per task with
-``rollout.agent_loop.run_episodes`` (KV-cached decoding, the code-repair environment) and
-returns a flat dict:
+``evaluate(model, params, tasks, env=..., greedy=...)`` plays one episode per task with
+``rollout.agent_loop.run_episodes`` (KV-cached decoding, the run's environment from
+``envs.registry``; code repair by default) and returns a flat dict:
 
   * ``success``: fraction of episodes solved (all tests, hidden included, pass at submit and the
     rule is kept); ``success_stderr``: its binomial standard error sqrt(p (1 - p) / n);
@@ -26,38 +26,23 @@ the policy (RL on its own samples) has at most.
 set). ``run_from_cli`` backs ``agentrl eval <run_dir or checkpoint> [--split heldout]
 [--difficulty 1] [--episodes N] [--seed S] [--pass-k K] [--transcripts PATH]`` and prints one
 JSON object with a ``greedy`` and a ``sampled`` section (and ``pass_at_k`` with ``--pass-k``);
-``--transcripts`` writes every episode's bugs, outcome and turns (``transcripts``) to a new JSONL
-file, one line per episode and mode.
-
-``paired_gain(before, after)`` compares two results on the same tasks (e.g. before and after RL):
-the success difference, its paired standard error, and how many tasks each side alone solved.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import logging
-import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from agentrl_jax.data import DataConfig, TaskPipeline, make_task_factory
-from agentrl_jax.envs.coderepair import (
-    BUG_TYPES,
-    CodeRepairEnv,
-    CodeTokenizer,
-    difficulty_config,
-    make_task,
-)
+from agentrl_jax.data import DataConfig, TaskPipeline
+from agentrl_jax.envs.registry import EnvSpec, as_env
 from agentrl_jax.model.transformer import Transformer
-
-logger = logging.getLogger(__name__)
+from agentrl_jax.rollout.agent_loop import run_episodes
+from agentrl_jax.rollout.sampler import SamplingConfig
+from agentrl_jax.train.eval_stats import pass_at_estimates
 
 EVAL_SPLITS = ("train", "heldout", "heldout_combo")
 MODES = ("greedy", "sampled")
@@ -84,7 +69,7 @@ class EvalConfig:
 
     Attributes:
       split: task split, one of ``EVAL_SPLITS``.
-      difficulty: environment level (1 = medium).
+      difficulty: environment level (1 = medium; the environment checks it, ``experiment.build``).
       n_episodes: episodes (tasks) per mode.
       modes: which of ``("greedy", "sampled")`` the CLI runs.
       temperature: sampling temperature of the ``sampled`` mode.
@@ -111,7 +96,8 @@ class EvalConfig:
         object.__setattr__(self, "modes", tuple(self.modes))
         if self.split not in EVAL_SPLITS:
             raise ValueError(f"EvalConfig.split={self.split!r} must be one of {EVAL_SPLITS}")
-        difficulty_config(self.difficulty)  # ValueError names the allowed range
+        if not isinstance(self.difficulty, int) or self.difficulty < 0:
+            raise ValueError(f"EvalConfig.difficulty={self.difficulty!r} must be an int >= 0")
         if not self.modes or set(self.modes) - set(MODES):
             raise ValueError(f"EvalConfig.modes={self.modes} must be a non-empty subset of {MODES}")
         for name in ("n_episodes", "max_new_tokens", "n_slots", "chunk", "prefill_chunk"):
@@ -124,17 +110,24 @@ class EvalConfig:
 
 
 def eval_data_config(
-    split: str, difficulty: int, n: int, *, seed: int = 0, data: DataConfig | None = None
+    split: str,
+    difficulty: int,
+    n: int,
+    *,
+    seed: int = 0,
+    data: DataConfig | None = None,
+    env: EnvSpec | None = None,
 ) -> DataConfig:
     """The task settings ``eval_tasks`` draws ``n`` tasks of ``split`` with, validated.
 
-    The held-out splits are the fixed benchmark: ``DataConfig()``'s seed range and bug types,
-    whatever a run trains on, so every run is scored on the same tasks. ``"train"`` is the
-    run's own training distribution when ``data`` (its ``data`` section) is given: its
-    ``train_seeds``, bug types and held-out combinations (``difficulties`` is replaced by
-    ``difficulty``). With ``data.train_seeds=(0, 128)`` at difficulty 1 that is the 512 tasks
-    such a run trains on, so ``n=512`` scores a policy on exactly its training tasks (the
-    ceiling of what RL on them reaches, README session 20).
+    The held-out splits are the environment's fixed benchmark (``DataConfig`` with the
+    environment's ``data_defaults``: seed ranges and bug types), whatever a run trains on, so
+    every run is scored on the same tasks. ``"train"`` is the run's own training distribution
+    when ``data`` (its ``data`` section) is given: its ``train_seeds``, bug types and held-out
+    combinations (``difficulties`` is replaced by ``difficulty``). With
+    ``data.train_seeds=(0, 128)`` at difficulty 1 that is the 512 tasks such a run trains on,
+    so ``n=512`` scores a policy on exactly its training tasks (the ceiling of what RL on them
+    reaches, docs/experiments.md). ``env`` defaults to code repair.
 
     Raises:
       ValueError: bad split / difficulty / n, a split without tasks at this difficulty, or
@@ -142,10 +135,14 @@ def eval_data_config(
     """
     if split not in EVAL_SPLITS:
         raise ValueError(f"split={split!r} must be one of {EVAL_SPLITS}")
-    difficulty_config(difficulty)
+    env = as_env(env)
+    env.check_difficulty(difficulty)
     if n < 1:
         raise ValueError(f"n={n} must be >= 1")
-    base = data if data is not None and split == "train" else DataConfig()
+    if data is not None and split == "train":
+        base = data
+    else:
+        base = DataConfig(**env.data_defaults)
     cfg = dataclasses.replace(base, difficulties=(difficulty,), shuffle_seed=seed)
     lo, hi = cfg.train_seeds if split == "train" else cfg.heldout_seeds
     cells = len(cfg.cells(split))
@@ -158,16 +155,23 @@ def eval_data_config(
 
 
 def eval_tasks(
-    split: str, difficulty: int, n: int, *, seed: int = 0, data: DataConfig | None = None
+    split: str,
+    difficulty: int,
+    n: int,
+    *,
+    seed: int = 0,
+    data: DataConfig | None = None,
+    env: EnvSpec | None = None,
 ) -> list:
     """The first ``n`` tasks of ``split`` at ``difficulty`` (bug types balanced; deterministic;
-    ``data``: see ``eval_data_config``).
+    ``data``, ``env``: see ``eval_data_config``).
 
     Raises:
       ValueError: see ``eval_data_config``.
     """
-    cfg = eval_data_config(split, difficulty, n, seed=seed, data=data)
-    pipe = TaskPipeline(cfg, split, task_factory=make_task_factory(make_task), adaptive=False)
+    env = as_env(env)
+    cfg = eval_data_config(split, difficulty, n, seed=seed, data=data, env=env)
+    pipe = TaskPipeline(cfg, split, task_factory=env.task_factory(), adaptive=False)
     return [item["task"] for item in pipe.next_batch(n)]
 
 
@@ -221,8 +225,9 @@ def summarize(traj, tasks: Sequence[Any], *, greedy: bool) -> dict[str, Any]:
 
 def transcripts(traj, tasks: Sequence[Any]) -> list[dict[str, Any]]:
     """One JSON-able record per episode of ``traj`` (played on ``tasks``, same order): ``index``,
-    ``task_seed``, ``difficulty``, ``bugs`` (``envs.coderepair.Bug`` fields: type, subtype,
-    line, original and mutated line as words, the expert's fix), ``success``, ``truncated``,
+    ``task_seed``, ``difficulty``, ``bugs`` (the task's bug dataclasses, e.g.
+    ``envs.coderepair.Bug``: type, subtype, line, original and mutated line, the expert's fix),
+    ``success``, ``truncated``,
     ``goal_adhered`` and ``turns``: every model turn's ``tool``, ``args``, the environment's
     ``output`` and ``error``."""
     turns: list[list[dict[str, Any]]] = [[] for _ in tasks]
@@ -245,52 +250,12 @@ def transcripts(traj, tasks: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def paired_gain(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """Success of ``after`` minus ``before`` on the same tasks, with its paired standard error.
-
-    With per-task differences d_i = a_i - b_i in {-1, 0, 1} over n tasks, ``fixed`` = #(d_i = 1)
-    (solved only after), ``broken`` = #(d_i = -1):
-
-      delta = (fixed - broken) / n
-      stderr = sqrt(s^2 / n),  s^2 = (fixed + broken - (fixed - broken)^2 / n) / (n - 1)
-
-    (the sample variance of d, never negative; 0 when n = 1). Pairing removes the variance of
-    task difficulty that two independent binomial errors would count twice.
-
-    Args:
-      before, after: result dicts of ``evaluate`` (need ``episode_success``) on the same tasks.
-
-    Returns:
-      ``{"delta", "stderr", "fixed", "broken", "n"}``.
-
-    Raises:
-      ValueError: a result without ``episode_success``, or different episode counts.
-    """
-    for name, res in (("before", before), ("after", after)):
-        if "episode_success" not in res:
-            raise ValueError(f"{name} has no episode_success (a result of an older evaluate?)")
-    b = np.asarray(before["episode_success"], int)
-    a = np.asarray(after["episode_success"], int)
-    if b.shape != a.shape or b.ndim != 1 or not len(b):
-        raise ValueError(f"before and after must cover the same tasks: {len(b)} vs {len(a)}")
-    n = len(b)
-    fixed, broken = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
-    delta = (fixed - broken) / n
-    var = (fixed + broken - (fixed - broken) ** 2 / n) / (n - 1) if n > 1 else 0.0
-    return {
-        "delta": delta,
-        "stderr": float(np.sqrt(var / n)),
-        "fixed": fixed,
-        "broken": broken,
-        "n": n,
-    }
-
-
 def evaluate(
     model: Transformer,
     params: Any,
     tasks: Sequence[Any],
     *,
+    env: EnvSpec | None = None,
     greedy: bool = True,
     cfg: EvalConfig = EvalConfig(),
     rng: jax.Array | None = None,
@@ -301,7 +266,8 @@ def evaluate(
     Args:
       model: the ``Transformer`` (carries the dtype policy the sampler uses).
       params: its parameters.
-      tasks: code-repair tasks (e.g. ``eval_tasks(...)``); all of one difficulty or not.
+      tasks: tasks of ``env`` (e.g. ``eval_tasks(...)``); all of one difficulty or not.
+      env: the environment (default: code repair).
       greedy: argmax decoding, else sampling at ``cfg.temperature``.
       cfg: cache / batching settings (``split``, ``difficulty``, ``n_episodes`` are ignored).
       rng: sampling key (default ``jax.random.key(cfg.seed)``).
@@ -314,12 +280,10 @@ def evaluate(
     Raises:
       ValueError: empty ``tasks``.
     """
-    from agentrl_jax.rollout.agent_loop import run_episodes
-    from agentrl_jax.rollout.sampler import SamplingConfig
-
     if not tasks:
         raise ValueError("tasks must be non-empty")
-    tokenizer = CodeTokenizer()
+    env = as_env(env)
+    tokenizer = env.tokenizer()
     sampling = SamplingConfig(
         temperature=cfg.temperature,
         greedy=greedy,
@@ -328,12 +292,12 @@ def evaluate(
         prefill_chunk=cfg.prefill_chunk,
         max_len=cfg.max_len,
     )
-    max_turns = max(t.config.max_turns for t in tasks)
+    max_turns = max(env.max_turns(t) for t in tasks)
     traj = run_episodes(
         model,
         params,
         list(tasks),
-        lambda: CodeRepairEnv(tokenizer),
+        lambda: env.env(tokenizer),
         tokenizer,
         sampling,
         jax.random.key(cfg.seed) if rng is None else rng,
@@ -346,36 +310,13 @@ def evaluate(
     return result
 
 
-def pass_at_estimates(successes: np.ndarray, j: int) -> np.ndarray:
-    """Unbiased pass@j per task from ``n`` samples of which ``c`` succeeded (Chen et al. 2021):
-
-      pass@j = 1 - C(n - c, j) / C(n, j)
-
-    the chance that ``j`` of the ``n`` samples, drawn without replacement, hold a success.
-
-    Args:
-      successes: bool/int [n, T], sample x task.
-      j: 1 <= j <= n.
-
-    Returns:
-      f64 [T].
-    """
-    s = np.asarray(successes, bool)
-    n = s.shape[0]
-    if not 1 <= j <= n:
-        raise ValueError(f"j={j} must be in [1, {n}] (the samples per task)")
-    fails = n - s.sum(axis=0)
-    # C(f, j) / C(n, j) = prod_{i<j} (f - i) / (n - i), 0 once i reaches f
-    ratio = np.prod([np.clip(fails - i, 0, None) / (n - i) for i in range(j)], axis=0)
-    return 1.0 - ratio
-
-
 def pass_at_k(
     model: Transformer,
     params: Any,
     tasks: Sequence[Any],
     *,
     k: int,
+    env: EnvSpec | None = None,
     cfg: EvalConfig = EvalConfig(),
     rng: jax.Array | None = None,
 ) -> dict[str, Any]:
@@ -394,7 +335,7 @@ def pass_at_k(
     """
     if k < 1:
         raise ValueError(f"k={k} must be >= 1")
-    res = evaluate(model, params, list(tasks) * k, greedy=False, cfg=cfg, rng=rng)
+    res = evaluate(model, params, list(tasks) * k, env=env, greedy=False, cfg=cfg, rng=rng)
     succ = np.asarray(res["episode_success"], bool).reshape(k, len(tasks))
     js = sorted({2**e for e in range(k.bit_length()) if 2**e <= k} | {k})
     at_k = pass_at_estimates(succ, k).tolist()
@@ -414,22 +355,26 @@ def evaluate_split(
     params: Any,
     cfg: EvalConfig,
     *,
+    env: EnvSpec | None = None,
     data: DataConfig | None = None,
     with_transcripts: bool = False,
 ) -> dict[str, Any]:
     """Runs every mode of ``cfg.modes`` on ``eval_tasks(cfg.split, cfg.difficulty, ...)``
-    (``data``: the run's data section, which picks the ``"train"`` split's tasks).
+    (``data``: the run's data section, which picks the ``"train"`` split's tasks; ``env``:
+    default code repair).
 
     Returns ``{"split", "difficulty", "<mode>": result dict, ...}`` (see ``evaluate`` for
     ``with_transcripts``).
     """
-    tasks = eval_tasks(cfg.split, cfg.difficulty, cfg.n_episodes, seed=cfg.seed, data=data)
+    env = as_env(env)
+    tasks = eval_tasks(cfg.split, cfg.difficulty, cfg.n_episodes, seed=cfg.seed, data=data, env=env)
     out: dict[str, Any] = {"split": cfg.split, "difficulty": cfg.difficulty}
     for mode in cfg.modes:
         out[mode] = evaluate(
             model,
             params,
             tasks,
+            env=env,
             greedy=mode == "greedy",
             cfg=cfg,
             with_transcripts=with_transcripts,
@@ -437,115 +382,13 @@ def evaluate_split(
     return out
 
 
-# -- CLI ------------------------------------------------------------------------------------------
-
-
-def _find_run_dir(path: str) -> str:
-    """The run directory of ``path`` (a run dir, a stage dir or a step dir under it)."""
-    p = os.path.abspath(path)
-    for _ in range(4):
-        if os.path.isfile(os.path.join(p, "config.json")):
-            return p
-        p = os.path.dirname(p)
-    raise ValueError(
-        f"{path!r} is neither a run directory nor a checkpoint inside one (no config.json found)"
-    )
-
-
-def _checkpoint_path(path: str, run_dir: str) -> str:
-    """The checkpoint to load: ``path`` if it is one, else the run's RL, then SFT stage."""
-    from agentrl_jax.train.checkpoint import existing_steps, stage_dir
-
-    p = os.path.abspath(path)
-    if os.path.basename(p).isdigit() or existing_steps(p):
-        return p
-    for stage in ("rl", "sft"):
-        d = stage_dir(run_dir, stage)
-        if existing_steps(d):
-            return d
-    raise ValueError(f"no checkpoint under {run_dir!r} (looked in checkpoints/rl and /sft)")
-
-
-def _eval_config(cfg_dict: dict[str, Any], args: argparse.Namespace) -> EvalConfig:
-    section = dict(cfg_dict.get("eval") or {})
-    known = {f.name for f in dataclasses.fields(EvalConfig)}
-    section = {k: v for k, v in section.items() if k in known}
-    if getattr(args, "split", None):
-        section["split"] = args.split
-    if getattr(args, "difficulty", None) is not None:
-        try:
-            section["difficulty"] = int(args.difficulty)
-        except ValueError:
-            raise ValueError(f"--difficulty={args.difficulty!r} must be an integer level") from None
-    if getattr(args, "episodes", None):
-        section["n_episodes"] = int(args.episodes)
-    if getattr(args, "seed", None) is not None:
-        section["seed"] = int(args.seed)
-    if "modes" in section:
-        section["modes"] = tuple(section["modes"])
-    return EvalConfig(**section)
-
-
-def run_from_cli(args: argparse.Namespace) -> int:
-    """``agentrl eval``: loads the checkpoint and config, evaluates, prints one JSON line.
-
-    Raises:
-      ValueError: no run directory / checkpoint, bad split or difficulty.
-    """
-    from agentrl_jax.config import ConfigDict, apply_overrides, load_config, to_dataclass
-    from agentrl_jax.metrics import load_config_json
-    from agentrl_jax.model.config import ModelConfig
-    from agentrl_jax.model.transformer import init_params
-    from agentrl_jax.precision import get_policy
-    from agentrl_jax.train.checkpoint import restore_params
-
-    path = args.run_dir_or_checkpoint
-    run_dir = _find_run_dir(path)
-    transcript_path = getattr(args, "transcripts", None)
-    if transcript_path and os.path.exists(transcript_path):
-        raise ValueError(f"--transcripts {transcript_path!r} exists; it would be overwritten")
-    if transcript_path and not os.path.isdir(os.path.dirname(os.path.abspath(transcript_path))):
-        raise ValueError(f"--transcripts {transcript_path!r}: its directory does not exist")
-    overrides = list(getattr(args, "set", None) or [])
-    if getattr(args, "spec", None):
-        cfg_dict = load_config(args.spec, overrides).to_dict()
-    else:  # the run's own config, with --set applied to it
-        cfg_dict = apply_overrides(ConfigDict(load_config_json(run_dir)), overrides).to_dict()
-    model_cfg = to_dataclass(cfg_dict["model"], ModelConfig)
-    model = Transformer(model_cfg, get_policy(cfg_dict.get("policy", "fp32")))
-    template = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
-    ckpt = _checkpoint_path(path, run_dir)
-    params, step = restore_params(ckpt, template)
-    cfg = _eval_config(cfg_dict, args)
-    data = to_dataclass(cfg_dict["data"], DataConfig) if cfg_dict.get("data") else None
-    result = {"checkpoint": ckpt, "step": step, "seed": cfg.seed}
-    result.update(
-        evaluate_split(model, params, cfg, data=data, with_transcripts=bool(transcript_path))
-    )
-    if transcript_path:
-        with open(transcript_path, "x") as f:
-            for mode in cfg.modes:
-                for rec in result[mode].pop("transcripts"):
-                    f.write(json.dumps({"mode": mode, **rec}) + "\n")
-    k = getattr(args, "pass_k", None)
-    if k:
-        tasks = eval_tasks(cfg.split, cfg.difficulty, cfg.n_episodes, seed=cfg.seed, data=data)
-        result["pass_at_k"] = pass_at_k(model, params, tasks, k=k, cfg=cfg)
-    sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
-    sys.stdout.flush()
-    return 0
-
-
 __all__ = [
-    "BUG_TYPES",
     "EvalConfig",
+    "eval_data_config",
     "eval_tasks",
     "evaluate",
     "evaluate_split",
-    "paired_gain",
-    "pass_at_estimates",
     "pass_at_k",
-    "run_from_cli",
     "summarize",
     "transcripts",
 ]

@@ -35,17 +35,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from agentrl_jax.data import DataConfig
+from agentrl_jax.envs.registry import get_env
 from agentrl_jax.metrics import MetricsWriter, ProgressBar
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import DTypePolicy, get_policy
+from agentrl_jax.rl.state import TrainState, init_train_state, make_optimizer
 from agentrl_jax.train.checkpoint import Checkpointer, stage_dir
 from agentrl_jax.train.demos import DemoSource, DemoStream
 
@@ -150,15 +153,6 @@ class SFTConfig:
         return int(round(self.steps * self.curriculum_fraction))
 
 
-class TrainState(NamedTuple):
-    """What one SFT step updates: params, optimiser state, step counter, PRNG key."""
-
-    params: Any
-    opt_state: Any
-    step: jax.Array
-    rng: jax.Array
-
-
 def lr_schedule(cfg: SFTConfig) -> optax.Schedule:
     """Linear warm-up to ``lr`` over ``warmup_steps``, cosine decay to ``lr * min_lr_ratio``."""
     warmup = min(cfg.warmup_steps, cfg.steps - 1)
@@ -171,11 +165,12 @@ def lr_schedule(cfg: SFTConfig) -> optax.Schedule:
     )
 
 
-def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
-    """AdamW with the ``lr_schedule`` and (optional) global-norm clipping."""
-    parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-    parts.append(optax.adamw(lr_schedule(cfg), b1=0.9, b2=cfg.b2, weight_decay=cfg.weight_decay))
-    return optax.chain(*parts)
+def sft_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
+    """The project's ``make_optimizer`` with the SFT settings: the ``lr_schedule``, b1 0.9,
+    weight decay on every parameter, global-norm clipping when ``grad_clip > 0``."""
+    return make_optimizer(
+        lr_schedule(cfg), weight_decay=cfg.weight_decay, b2=cfg.b2, grad_clip=cfg.grad_clip
+    )
 
 
 def _turn_exact(correct, mask, turn_ids):
@@ -239,7 +234,7 @@ def sft_loss(
 
 
 def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, lm_weight: float):
-    """The jitted ``train_step(state, batch) -> (state, metrics)`` (state donated).
+    """The jitted ``train_step(state, batch) -> (state, metrics)`` (``TrainState`` donated).
 
     ``batch`` holds the ``pad_batch`` arrays; one compile per bucket length.
     """
@@ -257,24 +252,62 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics["grad_norm"] = optax.global_norm(grads)
-        new = TrainState(params, opt_state, state.step + 1, state.rng)
-        return new, metrics
+        return state._replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
     return jax.jit(train_step, donate_argnums=(0,))
 
 
-def _stream(cfg: SFTConfig, difficulties, seed_offset: int, crop_len: int = 0) -> DemoStream:
-    source = DemoSource(
-        crop_len=crop_len,
-        difficulties=difficulties,
-        detour_prob=cfg.detour_prob,
-        max_guesses=cfg.max_guesses,
-        learn_guesses=cfg.learn_guesses,
-        buckets=cfg.buckets,
-        shuffle_seed=cfg.seed + seed_offset,
-        read_threads=cfg.read_threads,
-    )
-    return DemoStream(source, cfg.batch_size)
+def _streams(cfg: SFTConfig, env: str, data: DataConfig | None) -> dict[str, DemoStream]:
+    """The demonstration streams of a run: ``main`` and, with a curriculum, ``curriculum``."""
+
+    def stream(difficulties, seed_offset: int, crop_len: int = 0) -> DemoStream:
+        source = DemoSource(
+            env=env,
+            crop_len=crop_len,
+            difficulties=difficulties,
+            detour_prob=cfg.detour_prob,
+            max_guesses=cfg.max_guesses,
+            learn_guesses=cfg.learn_guesses,
+            buckets=cfg.buckets,
+            shuffle_seed=cfg.seed + seed_offset,
+            read_threads=cfg.read_threads,
+        )
+        return DemoStream(source, cfg.batch_size, data)
+
+    streams = {"main": stream(cfg.difficulties, 0)}
+    if cfg.curriculum_steps:
+        streams["curriculum"] = stream(cfg.curriculum_difficulties, 1, cfg.curriculum_crop_len)
+    return streams
+
+
+class _StepLog:
+    """Accumulates step metrics (device scalars, no sync) until a log line is written."""
+
+    def __init__(self, cfg: SFTConfig):
+        self.cfg = cfg
+        self.acc: dict[str, Any] = {}
+        self.n, self.tokens = 0, 0
+        self.t, self.cpu = time.perf_counter(), time.process_time()
+
+    def add(self, metrics: dict[str, Any], n_tokens: int) -> None:
+        self.n += 1
+        self.tokens += n_tokens
+        for k, v in metrics.items():
+            self.acc[k] = self.acc.get(k, 0.0) + v
+
+    def line(self, step: int, seq_len: int) -> dict[str, float]:
+        """The averaged metrics of the steps since the last line (``step`` is 0-based)."""
+        now, cpu = time.perf_counter(), time.process_time()
+        out = {k: float(v) / self.n for k, v in self.acc.items()}
+        out["lr"] = float(lr_schedule(self.cfg)(step))
+        out["tokens_per_s"] = self.tokens / (now - self.t)
+        out["steps_per_s"] = self.n / (now - self.t)
+        out["seq_len"] = seq_len
+        # CPU seconds per step (all threads): on a shared machine, wall time / step overstates
+        # the cost; this is what an idle machine would need (divided by cores).
+        out["cpu_s_per_step"] = (cpu - self.cpu) / self.n
+        self.acc, self.n, self.tokens, self.t, self.cpu = {}, 0, 0, now, cpu
+        return out
 
 
 def run_sft(
@@ -283,6 +316,8 @@ def run_sft(
     cfg: SFTConfig,
     run_dir: str,
     *,
+    env: str = "coderepair",
+    data: DataConfig | None = None,
     params: Any = None,
     resume: bool = False,
     writer: MetricsWriter | None = None,
@@ -291,10 +326,12 @@ def run_sft(
     """Runs the SFT stage; returns ``(params, final metrics)``.
 
     Args:
-      model_cfg: the model (its ``vocab_size`` must cover the code-repair tokenizer).
+      model_cfg: the model (its ``vocab_size`` must cover the environment's tokenizer).
       policy: dtype policy or preset name.
       cfg: SFT settings.
       run_dir: an existing run directory (metrics and ``checkpoints/sft`` are written there).
+      env: the environment's registry name (its expert makes the demonstrations).
+      data: the run's task settings (``DemoStream``); default ``DataConfig()``.
       params: initial parameters (default: ``init_params`` with ``cfg.seed``).
       resume: continue from the latest checkpoint in ``run_dir`` (else an existing one is an
         error: a checkpoint is never overwritten silently).
@@ -309,32 +346,26 @@ def run_sft(
       ValueError: the vocabulary is too small, or ``run_dir`` already holds SFT checkpoints and
         ``resume`` is False.
     """
-    from agentrl_jax.envs.coderepair import CodeTokenizer
-
-    vocab = CodeTokenizer().vocab_size
+    vocab = get_env(env).tokenizer().vocab_size
     if model_cfg.vocab_size < vocab:
         raise ValueError(f"model vocab_size={model_cfg.vocab_size} must be >= {vocab}")
-    policy = get_policy(policy)
-    model = Transformer(model_cfg, policy)
+    model = Transformer(model_cfg, get_policy(policy))
     ckpt = Checkpointer(stage_dir(run_dir, "sft"), resume=resume, max_to_keep=cfg.max_to_keep)
-    optimizer = make_optimizer(cfg)
+    optimizer = sft_optimizer(cfg)
     rng = jax.random.key(cfg.seed)
     if params is None:
         params = init_params(model, jax.random.fold_in(rng, 0))
-    opt_state = optimizer.init(params)
-    state = TrainState(params, opt_state, jnp.asarray(0, jnp.int32), rng)
-
-    streams = {"main": _stream(cfg, cfg.difficulties, 0)}
-    if cfg.curriculum_steps:
-        streams["curriculum"] = _stream(
-            cfg, cfg.curriculum_difficulties, 1, cfg.curriculum_crop_len
-        )
+    state = init_train_state(params, None, rng, tx=optimizer)
+    streams = _streams(cfg, env, data)
     start = 0
     if resume and ckpt.latest_step() is not None:
-        out = ckpt.restore(params=params, opt_state=opt_state)
+        out = ckpt.restore(params=params, opt_state=state.opt_state)
         start = out["step"]
-        state = TrainState(
-            out["params"], out["opt_state"], jnp.asarray(start, jnp.int32), out["rng"]
+        state = state._replace(
+            params=out["params"],
+            opt_state=out["opt_state"],
+            step=jnp.asarray(start, jnp.int32),
+            rng=out["rng"],
         )
         for name, st in out["meta"].get("data", {}).items():
             if name in streams:
@@ -344,50 +375,32 @@ def run_sft(
     own_writer = writer is None
     writer = MetricsWriter(run_dir) if own_writer else writer
     step_fn = make_train_step(model, optimizer, cfg.lm_weight)
-    meta = lambda: {"data": {k: s.state() for k, s in streams.items()}}  # noqa: E731
+    save = lambda step: ckpt.save(  # noqa: E731
+        step,
+        params=state.params,
+        opt_state=state.opt_state,
+        rng=state.rng,
+        meta={"data": {k: s.state() for k, s in streams.items()}},
+    )
     last: dict[str, float] = {}
-    acc: dict[str, float] = {}
-    n_acc, tokens, t_log, t0 = 0, 0, time.perf_counter(), time.perf_counter()
-    cpu_log = time.process_time()
+    log = _StepLog(cfg)
+    t0 = time.perf_counter()
     bar = ProgressBar(cfg.steps, desc="sft", initial=start, enabled=progress)
     try:
         for step in range(start, cfg.steps):
-            stream = streams["curriculum" if step < cfg.curriculum_steps else "main"]
-            batch = stream.next_batch()
-            tokens += batch["tokens"].size
+            batch = streams["curriculum" if step < cfg.curriculum_steps else "main"].next_batch()
             state, metrics = step_fn(state, batch)
-            n_acc += 1
-            for k, v in metrics.items():
-                acc[k] = acc.get(k, 0.0) + v  # device scalars: no sync until logged
+            log.add(metrics, batch["tokens"].size)
             done = step + 1
             if done % cfg.log_every == 0 or done == cfg.steps:
-                now = time.perf_counter()
-                last = {k: float(v) / n_acc for k, v in acc.items()}
-                last["lr"] = float(lr_schedule(cfg)(step))
-                last["tokens_per_s"] = tokens / (now - t_log)
-                last["steps_per_s"] = n_acc / (now - t_log)
-                last["seq_len"] = int(batch["tokens"].shape[1])
-                # CPU seconds per step (all threads): on a shared machine, wall time / step
-                # overstates the cost; this is what an idle machine would need (divided by cores).
-                cpu = time.process_time()
-                last["cpu_s_per_step"] = (cpu - cpu_log) / n_acc
-                cpu_log = cpu
+                n = log.n
+                last = log.line(step, int(batch["tokens"].shape[1]))
                 writer.write(done, last, prefix="sft")
-                bar.update(
-                    n_acc, loss=last["loss"], acc=last["action_acc"], fix=last["fix_turn_exact"]
-                )
-                acc, n_acc, tokens, t_log = {}, 0, 0, now
+                bar.update(n, loss=last["loss"], acc=last["action_acc"], fix=last["fix_turn_exact"])
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
-                ckpt.save(done, params=state.params, opt_state=state.opt_state, rng=state.rng,
-                          meta=meta())  # fmt: skip
+                save(done)
         if start < cfg.steps or ckpt.latest_step() != cfg.steps:
-            ckpt.save(
-                cfg.steps,
-                params=state.params,
-                opt_state=state.opt_state,
-                rng=state.rng,
-                meta=meta(),
-            )
+            save(cfg.steps)
     finally:
         bar.close()
         ckpt.close()
@@ -396,13 +409,12 @@ def run_sft(
         else:
             writer.flush()
     wall = time.perf_counter() - t0
-    ran = cfg.steps - start
     summary = {f"sft/{k}": v for k, v in last.items()}
     summary.update(
         {
             "sft/wall_s": wall,
             "sft/steps": float(cfg.steps),
-            "sft/steps_per_s_overall": ran / wall if wall > 0 else 0.0,
+            "sft/steps_per_s_overall": (cfg.steps - start) / wall if wall > 0 else 0.0,
             "sft/dropped_demos": float(sum(s.dropped for s in streams.values())),
         }
     )

@@ -13,24 +13,11 @@ Two modes:
     crashed point is recorded (``error.txt`` in its directory) and the sweep moves on; re-running
     the sweep continues unfinished points from their checkpoints.
   * vectorised (the experiment sets ``cfg.sweep_vectorized = True``): allowed when every point
-    only changes keys in ``VMAP_KEYS`` (checked before anything runs). What is vectorised: the
-    learner (``agentrl_jax.train.sweep_vmap``). SFT runs once, shared (it depends only on
-    ``sft.*``, which points cannot change); without SFT or ``init_from`` each point starts from
-    ``init_params`` with its own seed, as a sequential run would. Every RL step plays each
-    point's rollouts with that point's own parameters and seed (host loop, sequential:
-    environments are Python) and applies ONE jitted ``jax.vmap``-ed update to all points at
-    once, the swept values (lr, weight decay, PPO clip bounds) being traced arrays [P] - one
-    compile for the whole sweep instead of one per point. Each point then gets the run
-    directory a sequential run would write: metrics, summary and a final RL checkpoint (params,
-    optimiser state in ``make_optimizer``'s layout, data-pipeline state); its numbers equal a
-    sequential run's up to float rounding (``tests/train/test_sweep_vmap.py``). A point whose
-    config is invalid or whose rollouts raise is recorded as failed (``error.txt``) and dropped
-    from the group; the others go on. Not vectorised: rollouts, advantages, evaluation (per
-    point, sequential), intermediate checkpoints (an interrupted group re-runs its unfinished
-    points from the start), the precision fallback (non-finite updates are still skipped) and
-    multi-update steps (needs ppo_epochs = n_minibatches = 1 and old_logprobs = 'recompute',
-    the default experiment's setting). Entropy / KL coefficients are not vectorisable:
-    ``policy_loss`` branches on them in Python.
+    only changes keys in ``sweep_vmap.VMAP_KEYS`` (checked before anything runs): one compiled
+    learner, ``jax.vmap`` of the RL update over the points' stacked states; SFT runs once,
+    shared; rollouts and evaluations stay per point (``agentrl_jax.train.sweep_vmap``). Each
+    point gets the run directory a sequential run would write; its numbers equal a sequential
+    run's up to float rounding (``tests/train/test_sweep_vmap.py``).
 """
 
 from __future__ import annotations
@@ -45,21 +32,11 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
 from agentrl_jax.config import ConfigDict, apply_overrides, load_config, sweep_points
+from agentrl_jax.experiment import build, rl_config
 from agentrl_jax.metrics import make_run_dir, save_config
 from agentrl_jax.report import load_series, plot_sweep_curves, write_sweep_table
-from agentrl_jax.train.sweep_vmap import (
-    VMAP_KEYS,
-    VecState,
-    check_vectorizable,
-    hyperparams,
-    make_vmapped_update,
-    sequential_opt_state,
-    take_points,
-)
+from agentrl_jax.train import sweep_vmap
 
 log = logging.getLogger(__name__)
 
@@ -139,13 +116,13 @@ def run_sweep(
       sweep_dir: an existing sweep directory to continue (its spec and overrides are used;
         finished points are skipped).
       run_fn: ``run_fn(cfg, resume_dir=..., progress=...) -> summary`` for sequential points
-        (default ``rl_loop.run``; tests substitute a stub).
+        (default ``train.main.run``; tests substitute a stub).
       progress: progress bars of the runs.
 
     Raises:
       ValueError: no sweep(add) in the experiment, a continued sweep whose spec or overrides
-        differ, or a vectorised sweep over keys outside ``VMAP_KEYS`` or whose points differ in
-        RL settings that are not traced (raised before the sweep directory is created).
+        differ, or a vectorised sweep over keys outside ``sweep_vmap.VMAP_KEYS`` or whose points
+        differ in RL settings that are not traced (raised before the sweep directory is made).
     """
     if sweep_dir is not None:
         state = _load_state(sweep_dir)
@@ -161,7 +138,7 @@ def run_sweep(
         if not points:
             raise ValueError(f"experiment {spec!r} has no sweep(add) points")
         base = load_config(spec, overrides)
-        vectorized = bool(base.get("sweep_vectorized", False))
+        vectorized = bool(base.sweep_vectorized)
         if vectorized:
             _check_vectorized_points(spec, overrides, points)
         sweep_dir = make_run_dir(base.workdir, f"{base.name}-sweep")
@@ -193,7 +170,7 @@ def _point_config(spec: str, overrides: Sequence[str], entry: dict) -> ConfigDic
 
 def _run_point(spec, overrides, sweep_dir, state, entry, run_fn, progress) -> None:
     if run_fn is None:
-        from agentrl_jax.train.rl_loop import run as run_fn
+        from agentrl_jax.train.main import run as run_fn
     name = f"p{entry['index']:02d}"
     t0 = time.perf_counter()
     try:
@@ -263,17 +240,15 @@ def _finish(sweep_dir: str, state: dict) -> SweepResult:
 def _check_vectorized_points(spec: str, overrides: Sequence[str], points: list[dict]) -> None:
     """Up-front ``check_vectorizable`` over the points whose config builds (the others fail
     individually when the group runs)."""
-    from agentrl_jax.train.rl_loop import rl_config
-
     keys = {k for p in points for k in p}
-    check_vectorizable([], keys)  # the keys first: cheap, before any config is built
+    sweep_vmap.check_vectorizable([], keys)  # the keys first: cheap, before any config is built
     rl_cfgs = []
     for p in points:
         try:
             rl_cfgs.append(rl_config(apply_overrides(load_config(spec, overrides), p).rl))
         except Exception:  # noqa: BLE001, S112 - reported per point when the group runs
             continue
-    check_vectorizable(rl_cfgs, keys)
+    sweep_vmap.check_vectorizable(rl_cfgs, keys)
 
 
 def _record_failure(entry: dict, exc: BaseException) -> None:
@@ -285,136 +260,31 @@ def _record_failure(entry: dict, exc: BaseException) -> None:
             f.write(traceback.format_exc())
 
 
-class _Capture:
-    """Stands in for RLRun's update controller: keeps the batch, leaves the state alone (the
-    fallback controller's other attributes, read by checkpoints, are passed through)."""
-
-    def __init__(self, controller):
-        self._controller = controller
-        self.batch = None
-
-    def __getattr__(self, name):
-        return getattr(self._controller, name)
-
-    def __call__(self, state, batch, rng):
-        self.batch = batch
-        return state, {}
-
-
-@dataclasses.dataclass
-class _Point:
-    """One live point of a vectorised group (host side)."""
-
-    entry: dict
-    cfg: ConfigDict
-    rl_cfg: Any
-    init_key: Any = None  # which initial parameters (None: shared)
-    rl: Any = None  # RLRun
-    writer: Any = None
-    entropies: list = dataclasses.field(default_factory=list)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-        if self.rl is not None and self.rl.ckpt is not None:
-            self.rl.ckpt.close()
-            self.rl.ckpt = None
-
-
 def _run_vectorized(spec, overrides, sweep_dir, state, todo, progress) -> None:
-    from agentrl_jax.config import to_dataclass
-    from agentrl_jax.metrics import MetricsWriter
-    from agentrl_jax.model.config import ModelConfig
-    from agentrl_jax.model.transformer import Transformer, init_params
-    from agentrl_jax.precision import get_policy
-    from agentrl_jax.train.checkpoint import stage_dir
-    from agentrl_jax.train.rl_loop import (
-        LoopConfig,
-        RLRun,
-        _eval,
-        _mode,
-        initial_params,
-        rl_config,
-    )
-    from agentrl_jax.train.sft import SFTConfig, run_sft
-
+    """Runs the points ``todo`` as one vectorised group (``sweep_vmap.run_group``)."""
     t0 = time.perf_counter()
-    points: list[_Point] = []
+    points: list[sweep_vmap.Point] = []
     for e in todo:  # a point whose config does not build fails alone
         try:
-            c = _point_config(spec, overrides, e)
-            points.append(_Point(e, c, rl_config(c.rl)))
+            cfg = _point_config(spec, overrides, e)
+            points.append(sweep_vmap.Point(e, cfg, build(cfg)))
         except Exception as exc:  # noqa: BLE001
             _record_failure(e, exc)
+    failed = lambda p, exc: _record_failure(p.entry, exc)  # noqa: E731
     try:
-        if not points:
-            raise _GroupDone
-        keys = {k for p in points for k in p.entry["overrides"]}
-        check_vectorizable([p.rl_cfg for p in points], keys)
-        base = load_config(spec, overrides)
-        model_cfg = to_dataclass(base.model, ModelConfig)
-        policy = get_policy(base.policy)
-        model = Transformer(model_cfg, policy)
-        loop = to_dataclass(base.train, LoopConfig)
-        # initial parameters: shared SFT / init_from, else each point's own seed (as rl_loop.run)
-        initial: dict[Any, Any] = {}
-        if loop.sft:
-            shared = os.path.join(sweep_dir, "shared")
-            os.makedirs(shared, exist_ok=True)
-            done = os.path.isdir(stage_dir(shared, "sft")) and os.listdir(stage_dir(shared, "sft"))
-            sft_cfg = to_dataclass(base.sft, SFTConfig)
-            initial[None], _ = run_sft(
-                model_cfg, policy, sft_cfg, shared, resume=bool(done), progress=progress
-            )
-        elif loop.init_from:
-            template = init_params(model, jax.random.key(base.seed))
-            initial[None] = initial_params(loop.init_from, template)
-        else:
-            for p in points:
-                p.init_key = int(p.cfg.seed)
-                if p.init_key not in initial:
-                    initial[p.init_key] = init_params(model, jax.random.key(p.init_key))
-        before = (
-            {k: _eval(model_cfg, policy, v, base) for k, v in initial.items()}
-            if loop.eval_before
-            else {}
-        )
-        for p in list(points):
-            e = p.entry
-            try:
-                e["run_dir"] = _new_point_dir(sweep_dir, f"p{e['index']:02d}")
-                e["status"] = "running"
-                save_config(e["run_dir"], p.cfg)
-                p.rl = RLRun(p.cfg, e["run_dir"], initial[p.init_key], resume=False)
-                p.rl.controller = _Capture(p.rl.controller)
-                p.writer = MetricsWriter(e["run_dir"])
-                if p.init_key in before:
-                    ev = {"heldout_success": _mode(before[p.init_key], "success")}
-                    p.writer.write(0, ev, prefix="eval")
-            except Exception as exc:  # noqa: BLE001
-                _record_failure(e, exc)
-                p.close()
-                points.remove(p)
+        for p in points:
+            p.entry.update(run_dir=_new_point_dir(sweep_dir, f"p{p.entry['index']:02d}"))
+            p.entry["status"] = "running"
         _save_state(sweep_dir, state)
         if not points:
-            raise _GroupDone
-        init_fn, update_fn = make_vmapped_update(model, points[0].rl_cfg, points[0].rl.sampling)
-        vstate = init_fn(_stack([jax.tree.map(jnp.copy, initial[p.init_key]) for p in points]))
-        hp = hyperparams([p.rl_cfg for p in points])
-        for step in range(loop.rl_steps):
-            vstate, hp = _vec_step(points, step, vstate, hp, update_fn, model)
-            _save_state(sweep_dir, state)
-            if not points:
-                raise _GroupDone
-            log.info("vectorised sweep step %d/%d done", step + 1, loop.rl_steps)
-        for i, p in enumerate(points):
-            try:
-                _finish_point(p, i, vstate, loop, before, t0)
-            except Exception as exc:  # noqa: BLE001
-                _record_failure(p.entry, exc)
-            p.close()
-    except _GroupDone:
+            raise sweep_vmap.GroupDone
+        base = load_config(spec, overrides)
+        done = sweep_vmap.run_group(points, base, sweep_dir, failed, progress)
+        for p in points:
+            if p.entry["index"] in done:
+                summary = _plain_summary(done[p.entry["index"]])
+                p.entry.update(status="done", error=None, summary=summary)
+    except sweep_vmap.GroupDone:
         pass
     except Exception as exc:  # noqa: BLE001 - a shared stage failed: report the group's points
         log.error("vectorised sweep group failed: %s", exc)
@@ -426,87 +296,6 @@ def _run_vectorized(spec, overrides, sweep_dir, state, todo, progress) -> None:
     for e in todo:
         e["wall_s"] = wall  # one shared learner: the group's wall time
     _save_state(sweep_dir, state)
-
-
-def _row(tree, i: int):
-    return jax.tree.map(lambda a: a[i], tree)
-
-
-def _stack(trees: list):
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
-
-
-class _GroupDone(Exception):
-    """No live point left in a vectorised group."""
-
-
-def _vec_step(points, step, vstate, hp, update_fn, model):
-    """One RL step of a vectorised group: per-point rollouts, then one vmapped update. Points
-    whose rollouts raise are recorded, closed and dropped (``points`` is updated in place)."""
-    from agentrl_jax.rl.update import prepare_batch
-
-    metrics, data, alive = [], [], []
-    for i, p in enumerate(points):
-        try:
-            p.rl.state = p.rl.state._replace(params=_row(vstate.params, i))
-            metrics.append(p.rl.step(step))
-            data.append(prepare_batch(p.rl.controller.batch, p.rl.rl_cfg, model))
-            alive.append(i)
-        except Exception as exc:  # noqa: BLE001 - one point's crash must not stop the others
-            _record_failure(p.entry, exc)
-            p.close()
-    if len(alive) < len(points):
-        vstate, hp = take_points(vstate, alive), take_points(hp, alive)
-        points[:] = [points[i] for i in alive]
-        if not points:
-            return vstate, hp
-    t1 = time.perf_counter()
-    vstate, vm = update_fn(vstate, _stack(data), hp)
-    vm = jax.device_get(vm)
-    upd_s = (time.perf_counter() - t1) / len(points)
-    for i, (p, m) in enumerate(zip(points, metrics)):
-        m = m | {k: float(v[i]) for k, v in vm.items()}
-        m["update_s"] = upd_s
-        m.pop("update_tokens_per_s", None)
-        p.rl.state = p.rl.state._replace(step=p.rl.state.step + 1)
-        p.entropies.append(m["entropy"])
-        p.writer.write(step + 1, m, prefix="rl")
-    return vstate, hp
-
-
-def _finish_point(p: _Point, i: int, vstate: VecState, loop, before: dict, t0: float) -> None:
-    """Evaluation after RL, the final checkpoint and the summary of live point ``i``."""
-    from agentrl_jax.train.rl_loop import _eval, _mode
-
-    e = p.entry
-    final = _row(vstate.params, i)
-    after = _eval(p.rl.model_cfg, p.rl.policy, final, p.cfg)
-    p.writer.write(loop.rl_steps, {"heldout_success": _mode(after, "success")}, prefix="eval")
-    i32 = lambda v: jnp.asarray(v, jnp.int32)
-    p.rl.state = p.rl.state._replace(
-        params=final,
-        opt_state=sequential_opt_state(p.rl_cfg, final, vstate, i),
-        nonfinite_count=i32(vstate.nonfinite[i]),
-    )
-    p.rl.save(loop.rl_steps)
-    b = before.get(p.init_key)
-    summary = {
-        "heldout_success_before_rl": _mode(b, "success") if b else None,
-        "heldout_success_after_rl": _mode(after, "success"),
-        "goal_adherence_before_rl": _mode(b, "goal_adherence") if b else None,
-        "goal_adherence_after_rl": _mode(after, "goal_adherence"),
-        "heldout_sampled_success_after_rl": after.get("sampled", {}).get("success"),
-        "entropy_start": p.entropies[0] if p.entropies else None,
-        "entropy_end": p.entropies[-1] if p.entropies else None,
-        "nonfinite_steps": int(vstate.nonfinite[i]),
-        "rl_steps": loop.rl_steps,
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "run_dir": e["run_dir"],
-        "vectorized": True,
-    }
-    with open(os.path.join(e["run_dir"], "summary.json"), "w") as f:
-        json.dump(summary, f, default=float)
-    e.update(status="done", error=None, summary=_plain_summary(summary))
 
 
 def run_from_cli(args) -> int:
@@ -531,15 +320,4 @@ def run_from_cli(args) -> int:
     return 1 if failed else 0
 
 
-__all__ = [
-    "COLUMNS",
-    "VMAP_KEYS",
-    "SweepResult",
-    "VecState",
-    "check_vectorizable",
-    "hyperparams",
-    "make_vmapped_update",
-    "point_label",
-    "run_from_cli",
-    "run_sweep",
-]
+__all__ = ["COLUMNS", "SweepResult", "point_label", "run_from_cli", "run_sweep"]

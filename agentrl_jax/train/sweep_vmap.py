@@ -1,217 +1,262 @@
-"""The vectorised learner of ``agentrl sweep`` (``cfg.sweep_vectorized = True``).
+"""The vectorised sweep (``cfg.sweep_vectorized = True``): ``jax.vmap`` of the one RL update.
 
-One jitted ``jax.vmap`` of a single RL update over P sweep points: every leaf of the learner
-state is stacked over points ([P, ...]) and the swept scalars (lr, weight decay, PPO clip bounds)
-are traced f32 [P] inputs, so the whole sweep compiles once. The value of each point equals
-``rl.update.make_update_fn`` with that point's config (``tests/test_sweep.py``); the driver that
-plays the rollouts and writes the run directories is ``agentrl_jax.train.sweep``.
+A group of P sweep points shares one learner program: every point's ``TrainState`` is stacked
+over points ([P, ...]) and ``jax.jit(jax.vmap(rl.update.make_update(...)))`` updates them all at
+once. What differs between points lives in the state: the learning rate and weight decay in the
+optimiser state (``optax.inject_hyperparams``), the PPO clip bounds in ``state.hparams``, the seed
+in the initial parameters and the rollouts. The whole group compiles one update.
+
+The driver (``run_group``) runs SFT once (shared: it depends on ``sft.*`` only, which points
+cannot change), then every RL step plays each point's rollouts with that point's own parameters
+and seed (``RLRun.collect`` + ``RLRun.score``, sequential: environments are Python) and applies
+the one vmapped update. Each point then gets the run directory a sequential run writes (metrics,
+summary, final RL checkpoint in the sequential layout). A point whose config is invalid or whose
+rollouts raise is recorded as failed and dropped from the group. Not vectorised: rollouts,
+advantages, evaluation, intermediate checkpoints (an interrupted group re-runs its unfinished
+points), the precision fallback, and multi-update steps (``ppo_epochs = n_minibatches = 1`` and
+``old_logprobs = 'recompute'``, the default experiment's). Entropy / KL coefficients are not
+vectorisable: the loss branches on them in Python.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
-# swept key -> name of the traced hyperparameter of the vectorised learner ("" = host side only)
-VMAP_KEYS = {
-    "rl.lr": "lr",
-    "rl.weight_decay": "weight_decay",
-    "rl.loss.clip_low": "clip_low",
-    "rl.loss.clip_high": "clip_high",
-    "seed": "",
-}
+from agentrl_jax.config import ConfigDict
+from agentrl_jax.experiment import Sections, build
+from agentrl_jax.metrics import MetricsWriter, save_config
+from agentrl_jax.model.transformer import Transformer
+from agentrl_jax.rl.state import RLConfig, TrainState
+from agentrl_jax.rl.update import make_update
+from agentrl_jax.train import stages
+from agentrl_jax.train.rl_loop import RLRun, update_batch
 
+log = logging.getLogger(__name__)
 
-class VecState(NamedTuple):
-    """Per-point learner state, every leaf stacked over the P sweep points.
-
-    Attributes:
-      params: model parameters [P, ...].
-      opt_state: clip + Adam moments [P, ...] (the learning rate and weight decay are applied
-        outside, from the swept values).
-      count: int32 [P], applied optimiser updates (drives the warmup/cosine schedule).
-      nonfinite: int32 [P], skipped (non-finite) updates.
-    """
-
-    params: Any
-    opt_state: Any
-    count: jax.Array
-    nonfinite: jax.Array
+# swept keys a vectorised group may vary (the rest of the config is shared)
+VMAP_KEYS = ("rl.lr", "rl.weight_decay", "rl.loss.clip_low", "rl.loss.clip_high", "seed")
 
 
-def _core_tx(rl_cfg) -> optax.GradientTransformation:
-    parts = [optax.clip_by_global_norm(rl_cfg.grad_clip)] if rl_cfg.grad_clip is not None else []
-    parts.append(optax.scale_by_adam(b1=rl_cfg.b1, b2=rl_cfg.b2, eps=rl_cfg.eps))
-    return optax.chain(*parts)
+def with_hparams(state: TrainState, rl_cfg: RLConfig) -> TrainState:
+    """A point's learner state for the vmapped update: its clip bounds as traced ``hparams``
+    (its lr and weight decay are already in its optimiser state)."""
+    f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+    return state._replace(
+        hparams={"clip_low": f32(rl_cfg.loss.clip_low), "clip_high": f32(rl_cfg.loss.clip_high)}
+    )
 
 
-def _traced_rl_config(rl_cfg, hp: dict):
-    """A copy of ``rl_cfg`` whose lr and loss clip bounds are the traced values of ``hp`` (no
-    validation: the per-point configs were validated on the host; the loss and the schedule
-    use them arithmetically)."""
-    from agentrl_jax.rl.losses import LossConfig
-    from agentrl_jax.rl.state import RLConfig
-
-    loss = object.__new__(LossConfig)
-    for f in dataclasses.fields(LossConfig):
-        object.__setattr__(loss, f.name, getattr(rl_cfg.loss, f.name))
-    object.__setattr__(loss, "clip_low", hp["clip_low"])
-    object.__setattr__(loss, "clip_high", hp["clip_high"])
-    out = object.__new__(RLConfig)
-    for f in dataclasses.fields(RLConfig):
-        object.__setattr__(out, f.name, getattr(rl_cfg, f.name))
-    object.__setattr__(out, "loss", loss)
-    object.__setattr__(out, "lr", hp["lr"])
-    return out
+def stack(trees: Sequence[Any]):
+    """Stacks pytrees of equal structure along a new leading point axis."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def _step_size(rl_cfg, traced_cfg, count: jax.Array) -> jax.Array:
-    """``-schedule(count)``, the factor optax.adamw's ``scale_by_learning_rate`` applies.
-
-    Constant and warmup schedules are built from the traced lr exactly as ``make_optimizer``
-    builds them (same float operations: bitwise-equal updates); optax's cosine schedule
-    branches on the peak value in Python, so with decay the traced lr scales a unit-peak
-    schedule (equal up to float rounding).
-    """
-    from agentrl_jax.rl.state import learning_rate_schedule
-
-    if rl_cfg.decay_steps > 0:
-        return -(traced_cfg.lr * learning_rate_schedule(rl_cfg.replace(lr=1.0))(count))
-    return -1 * learning_rate_schedule(traced_cfg)(count)
+def take(tree, index: Sequence[int] | int):
+    """Rows ``index`` of every leaf of a point-stacked pytree (an int drops the point axis)."""
+    idx = index if isinstance(index, int) else jnp.asarray(list(index), jnp.int32)
+    return jax.tree.map(lambda a: a[idx], tree)
 
 
-def make_vmapped_update(model, rl_cfg, sampling_meta=None):
-    """``(init_fn, update_fn)`` of a learner vectorised over P sweep points.
-
-    ``init_fn(params_stacked) -> VecState``; ``update_fn(state, data, hp) -> (state, metrics)``
-    is one jitted ``jax.vmap`` of a single RL update (fused logprob recompute, one optimiser
-    update, non-finite skip), equal in value to ``rl.update.make_update_fn`` with the
-    point's config: clip_by_global_norm -> Adam -> ``-schedule(count) * (u + wd * p)`` (decay on
-    ndim >= 2 parameters), i.e. optax.adamw's operations with the swept values as traced inputs.
-
-    Args:
-      model: the Transformer (shared architecture and dtype policy).
-      rl_cfg: the base RLConfig (non-swept knobs, static).
-      sampling_meta: chunk geometry for parity policies.
-
-    ``data`` is ``rl.update.prepare_batch`` output stacked over points ([P, B, ...]); ``hp`` maps
-    ``lr``, ``weight_decay``, ``clip_low``, ``clip_high`` to f32 [P]. Metrics are f32 [P]
-    (``mismatch/*`` only when ``rl_cfg.log_mismatch`` and the batch has rollout logprobs).
+def make_vmapped_update(model: Transformer, rl_cfg: RLConfig, sampling_meta=None) -> Callable:
+    """``jax.jit(jax.vmap(make_update(model, rl_cfg, None, sampling_meta)))``: updates a stacked
+    ``TrainState`` with a stacked batch (rng from each point's state).
 
     Raises:
-      ValueError: ppo_epochs or n_minibatches != 1, or old_logprobs != 'recompute'.
+      ValueError: ``ppo_epochs`` or ``n_minibatches`` != 1, or ``old_logprobs`` != 'recompute'
+        (each point's updates would permute its batch from its own key: not vectorised).
     """
-    from agentrl_jax.rl.logprobs import as_chunk_spec
-    from agentrl_jax.rl.mismatch import mismatch_metrics
-    from agentrl_jax.rl.update import make_grad_fn
-
     for field, want in (("ppo_epochs", 1), ("n_minibatches", 1), ("old_logprobs", "recompute")):
         if getattr(rl_cfg, field) != want:
             raise ValueError(
                 f"vectorised sweeps need RLConfig.{field}={want!r}, got {getattr(rl_cfg, field)!r}"
             )
-    spec = as_chunk_spec(sampling_meta)
-    core = _core_tx(rl_cfg)
-
-    def init_fn(params_stacked) -> VecState:
-        p = jax.tree.leaves(params_stacked)[0].shape[0]
-        zero = jnp.zeros((p,), jnp.int32)
-        return VecState(params_stacked, jax.vmap(core.init)(params_stacked), zero, zero + 0)
-
-    def one(state: VecState, data: dict, hp: dict):
-        traced_cfg = _traced_rl_config(rl_cfg, hp)
-        grad_fn = make_grad_fn(model, traced_cfg, None, spec)
-        rows = {k: v for k, v in data.items() if k != "rollout_routes"}
-        grads, metrics, aux = grad_fn(state.params, rows)
-        gnorm = optax.global_norm(grads)
-        u, new_opt = core.update(grads, state.opt_state, state.params)
-        step = _step_size(rl_cfg, traced_cfg, state.count)
-        u = jax.tree.map(
-            lambda g, p: step * (g + hp["weight_decay"] * p) if jnp.ndim(p) >= 2 else step * g,
-            u,
-            state.params,
-        )
-        ok = (
-            jnp.isfinite(metrics["loss"]) & jnp.isfinite(gnorm) & jnp.isfinite(optax.global_norm(u))
-        )
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-        new_state = VecState(
-            params=keep(optax.apply_updates(state.params, u), state.params),
-            opt_state=keep(new_opt, state.opt_state),
-            count=state.count + ok.astype(jnp.int32),
-            nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
-        )
-        metrics = dict(metrics, grad_norm=gnorm, skipped=(~ok).astype(jnp.float32))
-        if rl_cfg.log_mismatch and "logp_rollout" in data:
-            mm = mismatch_metrics(aux["logp"], data["logp_rollout"], data["mask"])
-            metrics |= {f"mismatch/{k}": v for k, v in mm.items()}
-        return new_state, metrics
-
-    return init_fn, jax.jit(jax.vmap(one))
+    return jax.jit(jax.vmap(make_update(model, rl_cfg, None, sampling_meta)), donate_argnums=0)
 
 
-def hyperparams(rl_cfgs: Sequence[Any]) -> dict[str, jax.Array]:
-    """The traced hyperparameters (f32 [P]) of the vectorised learner from per-point RLConfigs."""
-    return {
-        "lr": jnp.asarray([c.lr for c in rl_cfgs], jnp.float32),
-        "weight_decay": jnp.asarray([c.weight_decay for c in rl_cfgs], jnp.float32),
-        "clip_low": jnp.asarray([c.loss.clip_low for c in rl_cfgs], jnp.float32),
-        "clip_high": jnp.asarray([c.loss.clip_high for c in rl_cfgs], jnp.float32),
-    }
-
-
-def check_vectorizable(rl_cfgs: Sequence[Any], keys: set[str]) -> None:
-    """Raises ``ValueError`` if a swept key is not vectorisable or the static knobs differ."""
+def check_vectorizable(rl_cfgs: Sequence[RLConfig], keys: set[str]) -> None:
+    """Raises ``ValueError`` if a swept key is not in ``VMAP_KEYS`` or the points' RL configs
+    differ in a field that is not traced."""
     bad = sorted(k for k in keys if k not in VMAP_KEYS)
     if bad:
         raise ValueError(
             f"sweep_vectorized=True cannot vectorise {bad}; allowed keys: {sorted(VMAP_KEYS)} "
             "(set sweep_vectorized=False to run the points sequentially)"
         )
-    traced = {"lr", "weight_decay"}
-    strip = lambda c: c.replace(
-        loss=dataclasses.replace(c.loss, clip_low=0.5, clip_high=0.5),
-        **{k: getattr(rl_cfgs[0], k) for k in traced},
+    strip = lambda c: c.replace(  # noqa: E731
+        loss=dataclasses.replace(c.loss, clip_low=0.5, clip_high=0.5), lr=1.0, weight_decay=0.0
     )
     if len({strip(c) for c in rl_cfgs}) > 1:
         raise ValueError("vectorised points differ in RL settings that are not traced")
 
 
-def take_points(tree, index: Sequence[int]):
-    """The rows ``index`` of every leaf of a point-stacked pytree (``[P, ...] -> [len, ...]``)."""
-    idx = jnp.asarray(list(index), jnp.int32)
-    return jax.tree.map(lambda a: a[idx], tree)
+@dataclasses.dataclass
+class Point:
+    """One live point of a vectorised group (host side)."""
+
+    entry: dict
+    cfg: ConfigDict
+    sections: Sections
+    rl: RLRun | None = None
+    writer: MetricsWriter | None = None
+    entropies: list = dataclasses.field(default_factory=list)
+
+    @property
+    def init_key(self) -> int | None:
+        """Which initial parameters the point starts from (None: the shared SFT/init_from)."""
+        loop = self.sections.train
+        return None if loop.sft or loop.init_from else int(self.cfg.seed)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.rl is not None and self.rl.ckpt is not None:
+            self.rl.ckpt.close()
+            self.rl.ckpt = None
 
 
-def sequential_opt_state(rl_cfg, params, vstate: VecState, p: int):
-    """Point ``p``'s optimiser state in the layout of ``rl.state.make_optimizer(rl_cfg)``.
+class GroupDone(Exception):
+    """No live point left in a vectorised group."""
 
-    The vectorised learner keeps clip + Adam moments and an update count; optax.adamw keeps the
-    same Adam moments and count plus a schedule count (also the applied updates). Checkpoints
-    written with this state resume or warm-start exactly like a sequential run's.
-    """
-    from agentrl_jax.rl.state import make_optimizer
 
-    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
-    adam = next(s for s in jax.tree.leaves(vstate.opt_state, is_leaf=is_adam) if is_adam(s))
-    row = lambda t: jax.tree.map(lambda a: a[p], t)
-    template = make_optimizer(rl_cfg).init(params)
-    return optax.tree_utils.tree_set(
-        template, mu=row(adam.mu), nu=row(adam.nu), count=vstate.count[p].astype(jnp.int32)
+def start_group(points: list[Point], base: ConfigDict, sweep_dir: str, progress) -> dict:
+    """The initial parameters of the group (``stages.start_params``: SFT once in
+    ``<sweep_dir>/shared``, else ``init_from``, else each point's own seed), by ``init_key``."""
+    shared = os.path.join(sweep_dir, "shared")
+    os.makedirs(shared, exist_ok=True)
+    initial: dict[Any, Any] = {}
+    for p in points:
+        if p.init_key not in initial:
+            seed = base.seed if p.init_key is None else p.init_key
+            initial[p.init_key] = stages.start_params(
+                p.sections, seed, shared, resume=True, progress=progress
+            )
+    return initial
+
+
+def open_point(p: Point, params) -> None:
+    """The point's RL state and metrics writer in its run directory (``entry["run_dir"]``)."""
+    save_config(p.entry["run_dir"], p.cfg)
+    p.rl = RLRun(p.sections, p.entry["run_dir"], params, seed=p.cfg.seed, resume=False)
+    p.writer = MetricsWriter(p.entry["run_dir"])
+
+
+def group_step(points: list[Point], step: int, vstate, update_fn, on_failure) -> Any:
+    """One RL step of a vectorised group: per-point rollouts and scoring, then one vmapped
+    update. Points whose rollouts raise are reported (``on_failure(point, exc)``), closed and
+    dropped (``points`` is updated in place). Returns the new stacked state."""
+    metrics, data, alive = [], [], []
+    for i, p in enumerate(points):
+        try:
+            p.rl.state = take(vstate, i)
+            collected = p.rl.collect(step)
+            batch = p.rl.score(collected.batch)
+            metrics.append((collected, batch))
+            data.append(update_batch(batch))
+            alive.append(i)
+        except Exception as exc:  # noqa: BLE001 - one point's crash must not stop the others
+            on_failure(p, exc)
+            p.close()
+    if len(alive) < len(points):
+        vstate = take(vstate, alive)
+        points[:] = [points[i] for i in alive]
+        if not points:
+            return vstate
+    t1 = time.perf_counter()
+    vstate, vm = update_fn(vstate, stack(data))
+    vm = jax.device_get(vm)
+    upd_s = (time.perf_counter() - t1) / len(points)
+    for i, (p, (collected, batch)) in enumerate(zip(points, metrics, strict=True)):
+        p.rl.state = take(vstate, i)
+        m = p.rl.metrics({k: float(v[i]) for k, v in vm.items()}, collected, batch, upd_s)
+        m.pop("update_tokens_per_s", None)  # one update for all points
+        p.entropies.append(m["entropy"])
+        p.writer.write(step + 1, m, prefix="rl")
+    return vstate
+
+
+def finish_point(p: Point, before: dict | None, t0: float) -> dict:
+    """Evaluation after RL, the final checkpoint and the summary of a live point."""
+    loop = p.sections.train
+    after = stages.evaluate_run(p.sections, p.rl.state.params)
+    p.writer.write(loop.rl_steps, stages.eval_metrics(after), prefix="eval")
+    p.rl.save(loop.rl_steps)
+    prior = {}
+    if before is not None:
+        prior = {
+            "heldout_success_before_rl": stages.mode_value(before, "success"),
+            "goal_adherence_before_rl": stages.mode_value(before, "goal_adherence"),
+            "eval_before": before,
+        }
+    summary = stages.summary(
+        prior,
+        after,
+        eval_split=p.sections.eval.split,
+        entropies=p.entropies,
+        nonfinite_steps=int(p.rl.state.nonfinite_count),
+        rl_steps=loop.rl_steps,
+        wall_s=time.perf_counter() - t0,
+        run_dir=p.entry["run_dir"],
     )
+    summary["vectorized"] = True
+    stages.dump_json(os.path.join(p.entry["run_dir"], "summary.json"), {**prior, **summary})
+    return summary
 
 
-__all__ = [
-    "VMAP_KEYS",
-    "VecState",
-    "check_vectorizable",
-    "hyperparams",
-    "make_vmapped_update",
-    "sequential_opt_state",
-    "take_points",
-]
+def run_group(
+    points: list[Point], base: ConfigDict, sweep_dir: str, on_failure, progress
+) -> dict[int, dict]:
+    """Runs a vectorised group of live points (run directories made) to the end (module
+    docstring); returns the finished points' summaries by ``entry["index"]``; the others were
+    reported through ``on_failure(point, exception)``.
+
+    Raises:
+      GroupDone: no point left.
+      ValueError: the points are not vectorisable (``check_vectorizable``).
+    """
+    t0 = time.perf_counter()
+    sections = build(base)
+    loop = sections.train
+    check_vectorizable(
+        [p.sections.rl for p in points], {k for p in points for k in p.entry["overrides"]}
+    )
+    initial = start_group(points, base, sweep_dir, progress)
+    before = {}
+    if loop.eval_before:
+        before = {k: stages.evaluate_run(sections, v) for k, v in initial.items()}
+    for p in list(points):
+        try:
+            open_point(p, initial[p.init_key])
+            if p.init_key in before:
+                ev = {"heldout_success": stages.mode_value(before[p.init_key], "success")}
+                p.writer.write(0, ev, prefix="eval")
+        except Exception as exc:  # noqa: BLE001
+            on_failure(p, exc)
+            p.close()
+            points.remove(p)
+    if not points:
+        raise GroupDone
+    model = Transformer(sections.model, sections.policy)
+    update_fn = make_vmapped_update(model, sections.rl, sections.rollout)
+    vstate = stack([with_hparams(p.rl.state, p.sections.rl) for p in points])
+    for step in range(loop.rl_steps):
+        vstate = group_step(points, step, vstate, update_fn, on_failure)
+        if not points:
+            raise GroupDone
+        log.info("vectorised sweep step %d/%d done", step + 1, loop.rl_steps)
+    done = {}
+    for p in points:
+        try:
+            done[p.entry["index"]] = finish_point(p, before.get(p.init_key), t0)
+        except Exception as exc:  # noqa: BLE001
+            on_failure(p, exc)
+        p.close()
+    return done

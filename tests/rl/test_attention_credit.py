@@ -108,6 +108,7 @@ def test_model_mass_from_the_training_pass():
 
 
 def test_loop_runs_attention_credit(tmp_path):
+    from agentrl_jax.experiment import build
     from agentrl_jax.train.rl_loop import RLRun
 
     cfg = load_config(
@@ -115,5 +116,5 @@ def test_loop_runs_attention_credit(tmp_path):
     )
     model_cfg = ModelConfig(**cfg.model.to_dict())
     params = init_params(Transformer(model_cfg, get_policy(cfg.policy)), jax.random.key(0))
-    metrics = RLRun(cfg, str(tmp_path), params, resume=False).step(0)
+    metrics = RLRun(build(cfg), str(tmp_path), params, seed=cfg.seed, resume=False).step(0)
     assert np.isfinite(metrics["loss"])

@@ -18,7 +18,7 @@ from agentrl_jax.rl.losses import LossConfig, value_loss
 from agentrl_jax.rl.state import RLConfig, init_train_state
 from agentrl_jax.rl.update import make_update_fn
 from agentrl_jax.train.checkpoint import Checkpointer, stage_dir
-from agentrl_jax.train.rl_loop import run
+from agentrl_jax.train.main import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
@@ -172,7 +172,7 @@ def test_rl_with_a_critic_from_a_checkpoint_without_one(tmp_path):
 
 
 def test_initial_params_keeps_a_saved_head_and_adds_a_missing_one(tmp_path):
-    from agentrl_jax.train.rl_loop import initial_params
+    from agentrl_jax.train.stages import initial_params
 
     model = _model("detached")
     template = init_params(model, jax.random.key(0))

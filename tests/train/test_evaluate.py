@@ -18,15 +18,14 @@ from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.train.checkpoint import Checkpointer, stage_dir
+from agentrl_jax.train.eval_cli import run_from_cli
+from agentrl_jax.train.eval_stats import paired_gain, pass_at_estimates
 from agentrl_jax.train.evaluate import (
     RESULT_KEYS,
     EvalConfig,
     eval_tasks,
     evaluate,
-    paired_gain,
-    pass_at_estimates,
     pass_at_k,
-    run_from_cli,
     summarize,
 )
 
@@ -119,7 +118,7 @@ def test_pass_at_k_orders_samples_by_task(monkeypatch):
     fake = [int(s < i) for s in range(k) for i in range(4)]
     seen = {}
 
-    def fake_evaluate(model, params, ts, *, greedy, cfg, rng):
+    def fake_evaluate(model, params, ts, *, env, greedy, cfg, rng):
         seen.update(n=len(ts), greedy=greedy, order=[t.seed for t in ts])
         return {"episode_success": fake}
 
@@ -166,8 +165,10 @@ def test_eval_tasks_of_the_train_split_follow_the_run_data_section():
     heldout = [t.seed for t in eval_tasks("heldout", 1, 8, data=data)]
     assert heldout == [t.seed for t in eval_tasks("heldout", 1, 8)]
     assert len(set(heldout)) > 2  # not data.heldout_seeds' two seeds
-    with pytest.raises(ValueError, match="difficulty"):
-        EvalConfig(difficulty=9)
+    with pytest.raises(ValueError, match="difficulty=9 must be in \\[0, 4\\]"):
+        eval_tasks("heldout", 9, 2)  # the environment checks its levels
+    with pytest.raises(ValueError, match="difficulty=-1"):
+        EvalConfig(difficulty=-1)
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +239,8 @@ def test_cli_on_run_dir(tiny, tmp_path, capsys):
     assert [r["success"] for r in recs] == [bool(x) for x in out["greedy"]["episode_success"]]
     for r, t in zip(recs, tasks):
         assert r["bugs"][0]["line"] == t.bugs[0].line and r["bugs"][0]["type"] == t.bugs[0].type
+        assert r["bugs"][0]["fix"] == list(t.bugs[0].fix)
+        assert 1 <= len(r["turns"]) and set(r["turns"][0]) == {"tool", "args", "output", "error"}
     # --split train: the run's own training tasks (its data section's seed range)
     train_path = tmp_path / "train_calls.jsonl"
     train = {**vars(args), "split": "train", "transcripts": str(train_path)}
@@ -245,8 +248,6 @@ def test_cli_on_run_dir(tiny, tmp_path, capsys):
     assert {json.loads(x)["task_seed"] for x in train_path.read_text().splitlines()} == {0}
     with pytest.raises(ValueError, match="n=5 is more than the 4 distinct 'train' tasks"):
         run_from_cli(argparse.Namespace(**{**train, "episodes": 5, "transcripts": None}))
-        assert r["bugs"][0]["fix"] == list(t.bugs[0].fix)
-        assert 1 <= len(r["turns"]) and set(r["turns"][0]) == {"tool", "args", "output", "error"}
     assert sum(len(r["turns"]) for r in recs) == round(out["greedy"]["mean_turns"] * 3)
     before = path.read_text()
     with pytest.raises(ValueError, match="exists; it would be overwritten"):

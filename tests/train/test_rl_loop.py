@@ -7,15 +7,23 @@ import jax
 import numpy as np
 import pytest
 
-from agentrl_jax.config import load_config
+from agentrl_jax.config import apply_overrides, load_config
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
+from agentrl_jax.experiment import build
 from agentrl_jax.report import build_report
-from agentrl_jax.train.rl_loop import LoopConfig, RLRun, _stored_sft_eval, run
+from agentrl_jax.train.main import run
+from agentrl_jax.train.reference import make_logprobs_fn
+from agentrl_jax.train.rl_loop import RLRun, TrainConfig
+from agentrl_jax.train.stages import stored_sft_eval
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
+
+
+def _rl_run(cfg, run_dir, params, *, resume=False) -> RLRun:
+    return RLRun(build(cfg), str(run_dir), params, seed=cfg.seed, resume=resume)
 
 
 def test_main_job_smoke(tmp_path):
@@ -84,9 +92,9 @@ def test_main_job_smoke(tmp_path):
     assert second["heldout_success_before_rl"] == summary["heldout_success_before_rl"]
     assert second["heldout_gain"]["greedy"]["n"] == cfg.eval.n_episodes
     # ... but only an evaluation of the same tasks under the same decoding and dtype policy
-    assert _stored_sft_eval(run_dir, cfg2) is not None
+    assert stored_sft_eval(run_dir, cfg2) is not None
     for other in (["eval.n_episodes=3"], ["eval.seed=1"], ["policy=bf16"]):
-        assert _stored_sft_eval(run_dir, load_config(SMOKE, other)) is None, other
+        assert stored_sft_eval(run_dir, load_config(SMOKE, other)) is None, other
     lines = [json.loads(x) for x in open(os.path.join(second["run_dir"], "metrics.jsonl"))]
     assert any(0.0 <= x.get("rl/greedy_member_success", -1) <= 1.0 for x in lines)
 
@@ -100,15 +108,15 @@ def test_resume_is_bitwise(tmp_path):
     straight.mkdir()
     broken.mkdir()
 
-    a = RLRun(cfg, str(straight), params, resume=False)
+    a = _rl_run(cfg, str(straight), params, resume=False)
     for step in range(2):
         a.step(step)
-    b = RLRun(cfg, str(broken), params, resume=False)
+    b = _rl_run(cfg, str(broken), params, resume=False)
     b.step(0)
     b.save(1)
     b.ckpt.close()
     del b  # "killed"
-    c = RLRun(cfg, str(broken), params, resume=True)
+    c = _rl_run(cfg, str(broken), params, resume=True)
     assert c.start_step == 1
     c.step(1)
     for x, y in zip(jax.tree.leaves(a.state.params), jax.tree.leaves(c.state.params)):
@@ -117,7 +125,7 @@ def test_resume_is_bitwise(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert a.pipeline.state() == c.pipeline.state()
     with pytest.raises(ValueError, match="already holds"):
-        RLRun(cfg, str(broken), params, resume=False)
+        _rl_run(cfg, str(broken), params, resume=False)
 
 
 def test_stored_eval_of_the_train_split_needs_the_same_data_section(tmp_path):
@@ -130,27 +138,29 @@ def test_stored_eval_of_the_train_split_needs_the_same_data_section(tmp_path):
     save_config(str(tmp_path), cfg)
     with open(tmp_path / "summary.json", "w") as f:
         json.dump({"eval_before": {"greedy": {"success": 0.5}}}, f)
-    assert _stored_sft_eval(str(tmp_path), cfg) is not None
+    assert stored_sft_eval(str(tmp_path), cfg) is not None
     other_tasks = load_config(SMOKE, [*train_split, "data.train_seeds=(2,4)"])
-    assert _stored_sft_eval(str(tmp_path), other_tasks) is None
+    assert stored_sft_eval(str(tmp_path), other_tasks) is None
 
 
-def test_loop_config_validation():
+def test_train_config_validation():
     with pytest.raises(ValueError, match="advantage"):
-        LoopConfig(advantage="nope")
+        TrainConfig(advantage="nope")
     with pytest.raises(ValueError, match="max_turns"):
-        LoopConfig(max_turns=0)
+        TrainConfig(max_turns=0)
+    # process weights are checked against the environment's signals
     with pytest.raises(ValueError, match="unknown keys \\['reject'\\]"):
-        LoopConfig(process_weights={"reject": 1.0})
+        build(load_config(SMOKE, ["train.process_weights={'reject': 1.0}"]))
     with pytest.raises(ValueError, match="tests"):
-        LoopConfig(process_weights={"tests": float("nan")})
-    LoopConfig(process_weights={"rejected": 2.0, "tests": 0})
+        nan = {"train.process_weights": {"tests": float("nan")}}
+        build(apply_overrides(load_config(SMOKE), nan))
+    build(load_config(SMOKE, ["train.process_weights={'rejected': 2.0, 'tests': 0}"]))
 
 
 def test_greedy_member_leaves_a_sampled_member(tmp_path):
     cfg = load_config(SMOKE, ["train.sft=False", "train.greedy_member=True", "data.group_size=1"])
     with pytest.raises(ValueError, match="greedy_member needs data.group_size >= 2, not 1"):
-        RLRun(cfg, str(tmp_path), {}, resume=False)
+        build(cfg)
 
 
 @pytest.mark.parametrize(
@@ -191,7 +201,7 @@ def test_kl_to_reference_uses_the_start_params(tmp_path):
     model_cfg = ModelConfig(**cfg.model.to_dict())
     params = init_params(Transformer(model_cfg, get_policy(cfg.policy)), jax.random.key(0))
     start = jax.tree.map(np.array, params)
-    run_ = RLRun(cfg, str(tmp_path), params, resume=False)
+    run_ = _rl_run(cfg, str(tmp_path), params, resume=False)
     first = run_.step(0)
     # before any update the policy is the reference: KL ~ 0 (float rounding of another shape)
     assert 0.0 <= first["kl_ref"] < 1e-5
@@ -212,7 +222,6 @@ def test_guide_groups_put_the_expert_in_failed_groups(tmp_path):
     step metrics and difficulty estimates still see only the sampled episodes."""
     from agentrl_jax.envs.coderepair import ExpertPolicy
     from agentrl_jax.envs.episode import play_episode
-    from agentrl_jax.train.rl_loop import _ref_logprobs
 
     cfg = load_config(
         SMOKE,
@@ -220,7 +229,7 @@ def test_guide_groups_put_the_expert_in_failed_groups(tmp_path):
     )
     model_cfg = ModelConfig(**cfg.model.to_dict())
     params = init_params(Transformer(model_cfg, get_policy(cfg.policy)), jax.random.key(0))
-    run_ = RLRun(cfg, str(tmp_path), params, resume=False)
+    run_ = _rl_run(cfg, str(tmp_path), params, resume=False)
     start = jax.tree.map(np.array, run_.state.params)
     seen = {}
     controller = run_.controller
@@ -232,13 +241,13 @@ def test_guide_groups_put_the_expert_in_failed_groups(tmp_path):
     run_.controller = spy
     run_.controller.active = controller.active  # the loop reads the active dtype policy
     tasks = []
-    real_rollout = run_._rollout
+    real_round = run_._round
 
-    def record_tasks(step, items, round_index, store):
+    def record_tasks(items, key, store, guidance):
         tasks.extend(it["task"] for it in items)
-        return real_rollout(step, items, round_index, store)
+        return real_round(items, key, store, guidance)
 
-    run_._rollout = record_tasks
+    run_._round = record_tasks
     metrics = run_.step(0)
     # an untrained policy fails every episode, so both groups of the batch are guided
     assert metrics["guided_groups"] == 2.0
@@ -248,7 +257,7 @@ def test_guide_groups_put_the_expert_in_failed_groups(tmp_path):
     for j in range(2):
         row = j * g
         task = tasks[j]  # no refill round: the first round's groups fill the batch in order
-        ep = play_episode(run_.env_factory(), task, ExpertPolicy(task, run_.tokenizer))
+        ep = play_episode(run_.env.env(run_.tokenizer), task, ExpertPolicy(task, run_.tokenizer))
         n = ep.n_tokens
         np.testing.assert_array_equal(seen["tokens"][row, :n], ep.tokens)
         assert not seen["valid"][row, n:].any()
@@ -256,9 +265,7 @@ def test_guide_groups_put_the_expert_in_failed_groups(tmp_path):
         assert act.sum() == ep.action_mask.sum() > 0
         assert (seen["advantages"][row][act] > 0).all()
         assert (seen["advantages"][row + 1][seen["action_mask"][row + 1]] < 0).all()
-        want = _ref_logprobs(
-            model_cfg,
-            run_.sampling,
+        want = make_logprobs_fn(model_cfg, run_.sampling)(
             controller.active,
             start,
             seen["tokens"][row : row + 1],
@@ -286,7 +293,7 @@ def test_policy_guides_put_a_sampled_success_in_failed_groups(tmp_path):
     )
     model_cfg = ModelConfig(**cfg.model.to_dict())
     params = init_params(Transformer(model_cfg, get_policy(cfg.policy)), jax.random.key(0))
-    run_ = RLRun(cfg, str(tmp_path), params, resume=False)
+    run_ = _rl_run(cfg, str(tmp_path), params, resume=False)
     seen, plays = {}, []
     controller = run_.controller
 
@@ -296,7 +303,7 @@ def test_policy_guides_put_a_sampled_success_in_failed_groups(tmp_path):
 
     run_.controller = spy
     run_.controller.active = controller.active
-    real_play = run_._play
+    real_play = run_.play
 
     def play(tasks, k, key, greedy):
         traj = real_play(tasks, k, key, greedy)
@@ -307,7 +314,7 @@ def test_policy_guides_put_a_sampled_success_in_failed_groups(tmp_path):
         plays.append((list(tasks), k, traj))
         return traj
 
-    run_._play = play
+    run_.play = play
     metrics = run_.step(0)
     g = cfg.data.group_size
     (tasks, _, first), (retried, k, retry) = plays[:2]
@@ -325,9 +332,9 @@ def test_policy_guides_put_a_sampled_success_in_failed_groups(tmp_path):
         )
         assert (seen["advantages"][m][seen["action_mask"][m]] < 0).all()
     with pytest.raises(ValueError, match="guide_source='teacher'"):
-        LoopConfig(guide_source="teacher")
+        TrainConfig(guide_source="teacher")
     with pytest.raises(ValueError, match="guide_samples"):
-        LoopConfig(guide_samples=0)
+        TrainConfig(guide_samples=0)
 
 
 def test_guide_groups_need_a_dense_model(tmp_path):

@@ -13,7 +13,7 @@ from agentrl_jax.envs.coderepair import CodeTokenizer, ExpertPolicy, make_task
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.train.checkpoint import Checkpointer, restore_params, stage_dir
 from agentrl_jax.train.demos import DemoSource, bucket_length, crop_demo, demo_episode, pad_batch
-from agentrl_jax.train.sft import MAX_TURN_SLOTS, SFTConfig, make_optimizer, run_sft, sft_loss
+from agentrl_jax.train.sft import MAX_TURN_SLOTS, SFTConfig, run_sft, sft_loss, sft_optimizer
 
 TINY = ModelConfig(
     vocab_size=512, d_model=16, n_layers=1, layer_pattern="D", n_heads=2, n_kv_heads=1,
@@ -132,7 +132,7 @@ def test_checkpoint_round_trip_bitwise(tmp_path):
         "layer": {"w": rng_np.normal(size=(5, 3)).astype(np.float32),
                   "b": rng_np.normal(size=(3,)).astype(jnp.bfloat16)},
     }  # fmt: skip
-    opt = make_optimizer(SFTConfig(steps=10, warmup_steps=2))
+    opt = sft_optimizer(SFTConfig(steps=10, warmup_steps=2))
     opt_state = opt.init(params)
     grads = jax.tree.map(lambda x: jnp.asarray(rng_np.normal(size=x.shape), x.dtype), params)
     _, opt_state = jax.jit(opt.update)(grads, opt_state, params)  # non-trivial moments

@@ -4,7 +4,7 @@ Three points (lr x seed: p00 = (1e-3, 0), p01 = (3e-3, 0), p02 = (1e-3, 1)); p01
 in its second rollout, after the first vmapped update, so the group drops a row mid-run. Checked:
 run directories, CSV and PNGs, the crash report, that re-running the sweep runs only p01, and
 that every point's metrics, final parameters and Adam moments equal a plain sequential
-``rl_loop.run`` of that point alone (``make_update_fn``, no vmap) - the vectorised sweep is the
+``train.main.run`` of that point alone (``make_update_fn``, no vmap) - the vectorised sweep is the
 sequential sweep, computed with one compiled learner.
 
 Tolerance (measured on the 2-core CPU, jax 0.10.2, fp32): metrics of the 3-point group are
@@ -31,8 +31,9 @@ from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.report import load_series
-from agentrl_jax.rl.state import make_optimizer
-from agentrl_jax.train import rl_loop, sweep
+from agentrl_jax.experiment import rl_config
+from agentrl_jax.rl.state import rl_optimizer
+from agentrl_jax.train import main, rl_loop, sweep
 from agentrl_jax.train.checkpoint import Checkpointer, stage_dir
 
 SWEEP_LR = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "sweep_lr.py")
@@ -63,7 +64,7 @@ def _restore(run_dir: str, cfg):
     """(params, opt_state, step) of the last RL checkpoint of ``run_dir``."""
     model = Transformer(to_dataclass(cfg.model, ModelConfig), get_policy(cfg.policy))
     template = init_params(model, jax.random.key(0))
-    opt = make_optimizer(rl_loop.rl_config(cfg.rl)).init(template)
+    opt = rl_optimizer(rl_config(cfg.rl)).init(template)
     ckpt = Checkpointer(stage_dir(run_dir, "rl"), resume=True)
     out = ckpt.restore(params=template, opt_state=opt)
     ckpt.close()
@@ -81,14 +82,14 @@ def _assert_trees_close(a, b, what):
 
 @pytest.fixture
 def crash_in_second_rollout(monkeypatch):
-    step = rl_loop.RLRun.step
+    collect = rl_loop.RLRun.collect
 
     def crashing(self, i):
-        if self.cfg.rl.lr == CRASH_LR and i == 1:
+        if self.rl_cfg.lr == CRASH_LR and i == 1:
             raise RuntimeError("boom: simulated environment crash")
-        return step(self, i)
+        return collect(self, i)
 
-    monkeypatch.setattr(rl_loop.RLRun, "step", crashing)
+    monkeypatch.setattr(rl_loop.RLRun, "collect", crashing)
     return monkeypatch
 
 
@@ -143,7 +144,7 @@ def test_vectorised_sweep_equals_sequential_points(tmp_path, crash_in_second_rol
     # 5. each point equals a sequential run of that point alone (same process, no vmap)
     for e, d, s in zip(entries, dirs, series):
         cfg = apply_overrides(load_config(spec), e["overrides"])
-        summary = rl_loop.run(cfg)
+        summary = main.run(cfg)
         ref = summary["run_dir"]
         ref_series = load_series(ref)
         for key in METRICS:

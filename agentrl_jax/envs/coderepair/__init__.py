@@ -3,7 +3,8 @@
 Modules: ``language`` (lexicon, parser), ``interpreter`` (budgeted evaluation), ``generator``
 (programs and tests), ``bugs`` (labelled injection), ``task`` (``make_task``), ``evaluation``
 (test runs), ``tools`` (run/view/edit/sub/submit), ``env`` (``CodeRepairEnv``), ``tokenizer``
-(``CodeTokenizer``), ``expert`` (scripted demonstrations), ``config`` (difficulty and splits).
+(``CodeTokenizer``), ``expert`` (scripted demonstrations), ``config`` (difficulty and splits),
+``spec`` (the ``EnvSpec`` registered as ``"coderepair"``).
 """
 
 from agentrl_jax.envs.coderepair.config import (
@@ -20,11 +21,16 @@ from agentrl_jax.envs.coderepair.config import (
 )
 from agentrl_jax.envs.coderepair.env import PROCESS_KEYS, CodeRepairEnv
 from agentrl_jax.envs.coderepair.expert import ExpertPolicy, expert_plan, expert_plan_detours
+from agentrl_jax.envs.coderepair.spec import CODEREPAIR
 from agentrl_jax.envs.coderepair.task import Task, make_task
 from agentrl_jax.envs.coderepair.tokenizer import CodeTokenizer
+from agentrl_jax.envs.registry import register_env
+
+register_env(CODEREPAIR)
 
 __all__ = [
     "BUG_TYPES",
+    "CODEREPAIR",
     "DIFFICULTIES",
     "HELDOUT_COMBO",
     "HELDOUT_SEED_START",
