@@ -9,7 +9,7 @@ point with its status), ``sweep.csv`` (point, final held-out success, reward, en
 cannot continue its directory gets a fresh one, nothing is overwritten).
 
 Two modes:
-  * sequential (default): each point is a full ``rl_loop.run`` in its own run directory; a
+  * sequential (default): each point is a full ``train.main.run`` in its own run directory; a
     crashed point is recorded (``error.txt`` in its directory) and the sweep moves on; re-running
     the sweep continues unfinished points from their checkpoints.
   * vectorised (the experiment sets ``cfg.sweep_vectorized = True``): allowed when every point
