@@ -68,7 +68,7 @@ class EnvConfig:
     max_output_chars: int = 2000
     max_view_lines: int = 80
     max_file_chars: int = 20000
-    test_timeout_s: float = 2.0
+    test_timeout_s: float = 1.0
     run_timeout_s: float = 30.0
 
     def __post_init__(self):

@@ -106,13 +106,15 @@ class Evaluation:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One solution and one test module to run (``test_file`` names the module in reports)."""
+    """One solution and one test module to run (``test_file`` names the module in reports;
+    ``timeout_s``, when set, replaces the batch's per-test limit for this job)."""
 
     solution: str
     tests: str
     n_expected: int
     test_file: str = "test_solution.py"
     stop_at_first_failure: bool = False
+    timeout_s: float | None = None
 
 
 def evaluate_batch(
@@ -141,6 +143,7 @@ def evaluate_batch(
             "tests": j.tests,
             "test_file": j.test_file,
             "stop_at_first_failure": j.stop_at_first_failure,
+            "timeout_s": j.timeout_s,
         }
         for j in jobs
     ]

@@ -1,8 +1,10 @@
 """The test runner that executes inside the sandbox; run as a script, never imported there.
 
-``execution`` passes this file's source with ``python -c`` and arguments ``MODE NONCE JOBS``:
+``execution`` passes this file's source with ``python -c`` and arguments
+``MODE NONCE JOBS TIMEOUT_S``:
 ``JOBS`` is a JSON file in the work directory holding a list of jobs
-``{"solution": src, "tests": src, "test_file": name, "stop_at_first_failure": bool}``. Each job's
+``{"solution": src, "tests": src, "test_file": name, "stop_at_first_failure": bool,
+"timeout_s": float | null}`` (null: the run's ``TIMEOUT_S`` argument). Each job's
 solution is executed as module ``solution`` and its tests as the test module; every
 ``test_*`` function runs in source order under a per-test time limit (``SIGALRM``), with its
 stdout captured.
@@ -182,7 +184,8 @@ def main():
     results = []
     for job in jobs:
         start = time.perf_counter()
-        result, failures = run_job(job, timeout_s, mode == "report")
+        limit = job.get("timeout_s") or timeout_s
+        result, failures = run_job(job, limit, mode == "report")
         if mode == "report":
             print_report(job, result, failures, time.perf_counter() - start, stdout)
         results.append(result)

@@ -7,8 +7,8 @@ sandbox,
 
   * the reference program (the canonical solution, after any helper extraction) passes every
     test, visible and hidden;
-  * the buggy program fails at least one visible test (without hitting the per-test time
-    limit: a hanging mutant would make every ``run_tests`` slow);
+  * the buggy program fails at least one visible test, without hitting the per-test time
+    limit (``MUTANT_TEST_TIMEOUT_S``: a hanging mutant would make every ``run_tests`` slow);
   * with several bugs, each bug alone fails at least one test (no bug is a no-op).
 
 Up to ``CANDIDATES`` mutations are validated in one sandboxed batch. Built tasks are cached in
@@ -43,7 +43,8 @@ from agentrl_jax.envs.pyrepair.problems import (
 from agentrl_jax.envs.pyrepair.refactor import extract_helpers
 
 CANDIDATES = 8
-VALIDATION_TEST_TIMEOUT_S = 1.0
+REFERENCE_TEST_TIMEOUT_S = 2.0
+MUTANT_TEST_TIMEOUT_S = 0.25  # a mutant slower than this is rejected (as hanging)
 VALIDATION_RUN_TIMEOUT_S = 60.0
 
 
@@ -246,7 +247,7 @@ def _try_problem(problem, types, cfg, rng, seed, difficulty, split) -> Task | No
             candidates.append((chosen, buggy, hunks, singles if len(chosen) > 1 else []))
     if not candidates:
         return None
-    jobs = [Job(program, every, n_all)]
+    jobs = [Job(program, every, n_all, timeout_s=REFERENCE_TEST_TIMEOUT_S)]
     for _, buggy, _, singles in candidates:
         jobs.append(Job(buggy, visible, n_vis, stop_at_first_failure=True))
         jobs += [Job(s, every, n_all, stop_at_first_failure=True) for s in singles]
@@ -268,7 +269,7 @@ def _fails_cleanly(e) -> bool:
 
 def _validate(jobs: list[Job]):
     """Runs the jobs in one sandboxed batch; if a limit stopped the batch, one run per job."""
-    kw = dict(test_timeout_s=VALIDATION_TEST_TIMEOUT_S, run_timeout_s=VALIDATION_RUN_TIMEOUT_S)
+    kw = dict(test_timeout_s=MUTANT_TEST_TIMEOUT_S, run_timeout_s=VALIDATION_RUN_TIMEOUT_S)
     sandbox = default_sandbox()
     results = evaluate_batch(sandbox, jobs, **kw)
     if any(r.stopped for r in results):
