@@ -22,11 +22,12 @@ user namespace (``unshare --user --map-root-user``) and runs as the trainer's ui
 read-only mounts. If the host allows neither, ``Sandbox`` raises ``SandboxUnavailable`` saying
 how to enable it: a program is never run without isolation.
 
-``argv[0] == "python"`` means the interpreter the trainer runs on, if the sandbox's uid can
-execute it; otherwise (e.g. a venv whose base interpreter lives under a private home) the first
-Python of the same version, then any ``python3``, found on the standard system paths; the
-choice is logged once. ``SandboxPool`` runs many programs at once (threads; the work happens in
-the child processes).
+``argv[0] == "python"`` means the interpreter the trainer runs on (its base executable: the
+venv's packages, the trainer's own included, are not importable in the child), if the sandbox's
+uid can execute it; otherwise (e.g. an interpreter under a private home directory) a Python of
+the same version on the standard system paths, then any ``python3`` there (see
+``_python_candidates``); the choice is logged once. ``SandboxPool`` runs many programs at once
+(threads; the work happens in the child processes).
 """
 
 from __future__ import annotations
@@ -182,13 +183,18 @@ def _executable_by_others(path: str) -> bool:
 
 
 def _python_candidates() -> list[str]:
+    """The trainer's base interpreter (the same binary without the venv's packages, so the
+    child cannot import the trainer's), a system Python of the same version, the venv's own
+    interpreter (a copy, when the venv was made with ``--copies``), any system ``python3``."""
     major, minor = sys.version_info[:2]
-    found = [sys.executable, getattr(sys, "_base_executable", sys.executable)]
-    for name in (f"python{major}.{minor}", "python3"):
-        path = shutil.which(name, path=_SYSTEM_PATH)
-        if path:
-            found.append(path)
-    return list(dict.fromkeys(os.path.abspath(p) for p in found if p))
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    found = [os.path.realpath(base)]
+    same = shutil.which(f"python{major}.{minor}", path=_SYSTEM_PATH)
+    found += [same] if same else []
+    found.append(os.path.realpath(sys.executable))
+    any3 = shutil.which("python3", path=_SYSTEM_PATH)
+    found += [any3] if any3 else []
+    return list(dict.fromkeys(found))
 
 
 class Sandbox:
@@ -508,12 +514,13 @@ def _resolve_python(sandbox: Sandbox) -> str:
                 f"{_python_candidates()}); make one readable and executable by others along its "
                 "whole path, or pass Sandbox(python=...)"
             )
-        if chosen != sys.executable:
+        base = _python_candidates()[0]
+        if chosen != base:
             logger.info(
-                "sandbox runs %s (Python %s): %s is not executable by the sandbox's uid",
+                "sandbox runs %s (Python %s): the trainer's %s is not executable by its uid",
                 chosen,
                 ".".join(map(str, versions[chosen])),
-                sys.executable,
+                base,
             )
         _PYTHONS[key] = chosen
         return chosen

@@ -308,3 +308,8 @@ def test_refuses_without_isolation(monkeypatch):
     with pytest.raises(sandbox_mod.SandboxUnavailable, match="unshare"):
         Sandbox()
     assert sys.executable  # the trainer itself is untouched
+
+
+def test_child_cannot_import_the_trainer_package(sandbox, guard):
+    res = _run(sandbox, "import agentrl_jax\n")
+    assert res.returncode == 1 and "ModuleNotFoundError" in res.stderr

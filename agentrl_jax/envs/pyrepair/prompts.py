@@ -1,14 +1,13 @@
 """The text a model reads at the start of an episode: the system prompt (goal, constraints,
-tools, limits) and the first user message (the task, the files, the program when shown)."""
+tools, limits) and the first user message (the task, the files, the program when shown).
+
+The functions take a ``task.Task`` (not imported here: ``task`` imports this module)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from agentrl_jax.envs.pyrepair.problems import SOLUTION_FILE, TEST_FILE
-
-if TYPE_CHECKING:
-    from agentrl_jax.envs.pyrepair.task import Task
 
 CALL_FORMAT = '<call>{"name": TOOL, "arguments": {...}}</call>'
 
@@ -27,8 +26,8 @@ def n_lines(text: str) -> int:
     return len(text.split("\n")) - (1 if text.endswith("\n") else 0)
 
 
-def system_prompt(task: Task) -> str:
-    """Goal, constraints, tools and limits, stated once at the start."""
+def system_prompt(task: Any) -> str:
+    """Goal, constraints, tools and limits of a ``task.Task``, stated once at the start."""
     cfg = task.config
     return "\n".join(
         [
@@ -51,7 +50,7 @@ def system_prompt(task: Task) -> str:
     )
 
 
-def user_prompt(task: Task) -> str:
+def user_prompt(task: Any) -> str:
     """The request: which function fails, the files, and the program when the level shows it."""
     lines = [
         f"Task {task.problem}: the tests of `{task.entry_point}` fail. Fix {SOLUTION_FILE}.",

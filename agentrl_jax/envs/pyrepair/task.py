@@ -40,6 +40,7 @@ from agentrl_jax.envs.pyrepair.problems import (
     problems_of_split,
     render_tests,
 )
+from agentrl_jax.envs.pyrepair.prompts import user_prompt
 from agentrl_jax.envs.pyrepair.refactor import extract_helpers
 
 CANDIDATES = 8
@@ -118,8 +119,7 @@ class Task:
 
     @property
     def prompt(self) -> str:
-        from agentrl_jax.envs.pyrepair.prompts import user_prompt
-
+        """The first user message (``prompts.user_prompt``)."""
         return user_prompt(self)
 
 
