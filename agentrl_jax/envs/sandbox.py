@@ -26,13 +26,12 @@ how to enable it: a program is never run without isolation.
 venv's packages, the trainer's own included, are not importable in the child), if the sandbox's
 uid can execute it; otherwise (e.g. an interpreter under a private home directory) a Python of
 the same version on the standard system paths, then any ``python3`` there (see
-``_python_candidates``); the choice is logged once. ``SandboxPool`` runs many programs at once
-(threads; the work happens in the child processes).
+``_python_candidates``); the choice is logged once. ``sandbox_pool.SandboxPool`` runs many
+programs at once.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import fcntl
 import logging
@@ -46,7 +45,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -332,9 +331,9 @@ class Sandbox:
             if proc.poll() is None:
                 _kill(proc)
         wall = time.monotonic() - start
-        return self._result(proc, status, out, err, reason, wall)
+        return self._result(status, out, err, reason, wall)
 
-    def _result(self, proc, status: bytes, out: bytes, err: bytes, reason, wall) -> Result:
+    def _result(self, status: bytes, out: bytes, err: bytes, reason, wall: float) -> Result:
         kind, _, rest = status.decode(errors="replace").partition(" ")
         if kind == "error":
             raise SandboxUnavailable(f"{rest}: {_HOW_TO_ENABLE}")
@@ -366,51 +365,6 @@ class Sandbox:
             wall_s=wall,
             truncated=reason == "output",
         )
-
-
-class SandboxPool:
-    """Runs many sandboxed programs at once (one thread per concurrent run).
-
-    Args:
-      sandbox: the sandbox to run in (default ``Sandbox()``).
-      max_workers: concurrent runs, 1..256.
-
-    Raises:
-      ValueError: ``max_workers`` out of range.
-    """
-
-    def __init__(self, sandbox: Sandbox | None = None, max_workers: int = 8):
-        if not 1 <= max_workers <= 256:
-            raise ValueError(f"max_workers={max_workers} must be in [1, 256]")
-        self.sandbox = sandbox or Sandbox()
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers, thread_name_prefix="sandbox"
-        )
-
-    def submit(
-        self, files: Mapping[str, str], argv: Sequence[str], timeout_s: float
-    ) -> concurrent.futures.Future[Result]:
-        """Starts ``Sandbox.run(files, argv, timeout_s)``; returns its future."""
-        return self._executor.submit(self.sandbox.run, files, argv, timeout_s)
-
-    def map(self, jobs: Iterable[tuple[Mapping[str, str], Sequence[str], float]]) -> list[Result]:
-        """Runs ``(files, argv, timeout_s)`` jobs concurrently; results in job order.
-
-        Raises:
-          ValueError, SandboxUnavailable: as ``Sandbox.run`` (the first job's error).
-        """
-        futures = [self.submit(*job) for job in jobs]
-        return [f.result() for f in futures]
-
-    def close(self) -> None:
-        """Waits for running jobs and stops the threads."""
-        self._executor.shutdown(wait=True)
-
-    def __enter__(self) -> SandboxPool:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -12,7 +12,8 @@ import uuid
 import pytest
 
 from agentrl_jax.envs import sandbox as sandbox_mod
-from agentrl_jax.envs.sandbox import Limits, Result, Sandbox, SandboxPool
+from agentrl_jax.envs.sandbox import Limits, Result, Sandbox
+from agentrl_jax.envs.sandbox_pool import SandboxPool
 
 UID_BASE = 1_600_000_000
 MAX_SLOTS = 16
@@ -313,3 +314,8 @@ def test_refuses_without_isolation(monkeypatch):
 def test_child_cannot_import_the_trainer_package(sandbox, guard):
     res = _run(sandbox, "import agentrl_jax\n")
     assert res.returncode == 1 and "ModuleNotFoundError" in res.stderr
+
+
+def test_pool_validates_workers(sandbox):
+    with pytest.raises(ValueError, match="max_workers"):
+        SandboxPool(sandbox, max_workers=0)
