@@ -10,7 +10,8 @@
     outside can be written and nothing is left behind;
   * with rlimits on CPU seconds, address space, file size, processes and open files;
   * under a wall-clock timeout that kills the whole namespace;
-  * with a scrubbed environment (``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` and nothing else);
+  * with a scrubbed environment (``PATH``, ``HOME``, ``TMPDIR``, ``LANG``, a few ``PYTHON*``
+    settings such as a fixed hash seed, and nothing else);
   * as an unprivileged uid when the trainer is root: each concurrent run on the host takes its
     own uid ``uid_base + slot`` (slots are locked host-wide with ``flock``), so runs cannot
     signal each other or share a process limit;
@@ -293,6 +294,7 @@ class Sandbox:
             "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONIOENCODING": "utf-8",
+            "PYTHONHASHSEED": "0",  # reproducible set and dict-of-str orders
         }
         return {
             "files": dict(files),

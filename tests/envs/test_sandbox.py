@@ -154,7 +154,8 @@ def test_scrubbed_environment(sandbox, guard, monkeypatch):
     res = _run(sandbox, "import os\nprint(sorted(os.environ), os.environ.get('AGENTRL_SECRET'))")
     assert "s3cret" not in res.stdout and res.stdout.rstrip().endswith("None")
     assert set(eval(res.stdout.rsplit(" ", 1)[0])) <= {
-        "PATH", "HOME", "TMPDIR", "LANG", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING", "LC_CTYPE",
+        "PATH", "HOME", "TMPDIR", "LANG", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING",
+        "PYTHONHASHSEED", "LC_CTYPE",
     }  # fmt: skip
 
 

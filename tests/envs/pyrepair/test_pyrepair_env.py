@@ -43,6 +43,13 @@ def test_expert_solves_every_sampled_task(env, level):
         assert not any(log["error"] for log in episode.logs)
 
 
+def test_episodes_are_reproducible():
+    task = make_task(2, 1)
+    first = play_episode(PyRepairEnv(), task, ExpertPolicy(task))
+    again = play_episode(PyRepairEnv(), task, ExpertPolicy(task))
+    assert first.tokens.tolist() == again.tokens.tolist()
+
+
 def test_protocols():
     env, tok = PyRepairEnv(), ByteTokenizer()
     assert isinstance(env, Env) and isinstance(env, TextEnv) and isinstance(tok, Tokenizer)
