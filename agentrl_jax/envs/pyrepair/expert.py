@@ -70,6 +70,9 @@ def call_text(name: str, arguments: dict[str, Any]) -> str:
 class ExpertPolicy:
     """A policy callable (``stream -> action ids``) that replays ``expert_calls`` turn by turn.
 
+    ``detour_turns`` and ``guess_turns`` are empty (no detours), as the demonstration builder
+    of the mini-language environment reads them.
+
     Args:
       task: the task to solve.
       tokenizer: the environment's tokenizer (default ``ByteTokenizer()``).
@@ -79,6 +82,9 @@ class ExpertPolicy:
         self.tokenizer = tokenizer or ByteTokenizer()
         self.plan = expert_calls(task)
         self.turn = 0
+        # the mini-language expert's detour bookkeeping: this expert makes no detours
+        self.detour_turns: frozenset[int] = frozenset()
+        self.guess_turns: frozenset[int] = frozenset()
 
     def action_ids(self, call: Call) -> list[int]:
         """``<call> {json} </call>`` as ids."""

@@ -108,6 +108,11 @@ class Task:
     n_hidden: int
 
     @property
+    def bugs(self) -> tuple[Mutation, ...]:
+        """``mutations`` under the name the mini-language task uses for its ground truth."""
+        return self.mutations
+
+    @property
     def files(self) -> dict[str, str]:
         """The agent's starting work tree."""
         return {SOLUTION_FILE: self.solution, TEST_FILE: self.visible_tests}
