@@ -7,8 +7,9 @@ sandbox,
 
   * the reference program (the canonical solution, after any helper extraction) passes every
     test, visible and hidden;
-  * the buggy program fails at least one visible test, without hitting the per-test time
-    limit (``MUTANT_TEST_TIMEOUT_S``: a hanging mutant would make every ``run_tests`` slow);
+  * the buggy program fails at least one visible test, and no visible test hits the per-test
+    time limit (``MUTANT_TEST_TIMEOUT_S``: a hanging mutant would make every ``run_tests``
+    slow);
   * with several bugs, each bug alone fails at least one test (no bug is a no-op).
 
 Up to ``CANDIDATES`` mutations are validated in one sandboxed batch. Built tasks are cached in
@@ -22,6 +23,7 @@ import dataclasses
 import difflib
 import functools
 import random
+from typing import NamedTuple
 
 from agentrl_jax.envs.pyrepair.config import (
     BUG_TYPES,
@@ -33,7 +35,6 @@ from agentrl_jax.envs.pyrepair.config import (
 from agentrl_jax.envs.pyrepair.execution import Job, default_sandbox, evaluate_batch
 from agentrl_jax.envs.pyrepair.mutations import Site, apply_sites, find_sites
 from agentrl_jax.envs.pyrepair.problems import (
-    HIDDEN_TEST_FILE,
     SOLUTION_FILE,
     TEST_FILE,
     Problem,
@@ -211,6 +212,13 @@ def _pick(rng: random.Random, sites: dict[str, list[Site]], types) -> list[Site]
     return chosen
 
 
+class _Candidate(NamedTuple):
+    sites: list[Site]
+    buggy: str
+    hunks: list[tuple[int, tuple[str, ...], tuple[str, ...]]]
+    singles: list[str]  # each bug alone (several bugs only)
+
+
 def _reference(problem: Problem, cfg: EnvConfig, rng: random.Random):
     """(reference program, functions that may hold bugs, helper names) or None."""
     if cfg.n_helpers == 0:
@@ -224,20 +232,13 @@ def _reference(problem: Problem, cfg: EnvConfig, rng: random.Random):
     return ast.unparse(tree) + "\n", functions, helpers
 
 
-def _try_problem(problem, types, cfg, rng, seed, difficulty, split) -> Task | None:
-    ref = _reference(problem, cfg, rng)
-    if ref is None:
-        return None
-    program, functions, helpers = ref
+def _candidates(program: str, functions, types, rng: random.Random) -> list[_Candidate]:
+    """Up to ``CANDIDATES`` distinct mutants with one hunk per bug (not validated yet)."""
     tree = ast.parse(program)
     sites = find_sites(tree, functions)
     if any(not sites[t] for t in types):
-        return None
-    n_vis = problem.n_visible(cfg.max_visible_tests)
-    n_all = len(problem.cases)
-    visible = render_tests(problem, range(n_vis))
-    every = render_tests(problem, range(n_all))
-    candidates, seen = [], {program}
+        return []
+    out, seen = [], {program}
     for _ in range(CANDIDATES):
         chosen = _pick(rng, sites, types)
         if chosen is None:
@@ -249,22 +250,53 @@ def _try_problem(problem, types, cfg, rng, seed, difficulty, split) -> Task | No
         hunks = _hunks(buggy, program)
         if len(hunks) == len(types):
             singles = [ast.unparse(apply_sites(tree, [s])) + "\n" for s in chosen]
-            candidates.append((chosen, buggy, hunks, singles if len(chosen) > 1 else []))
+            out.append(_Candidate(chosen, buggy, hunks, singles if len(chosen) > 1 else []))
+    return out
+
+
+def _try_problem(problem, types, cfg, rng, seed, difficulty, split) -> Task | None:
+    ref = _reference(problem, cfg, rng)
+    if ref is None:
+        return None
+    program, functions, helpers = ref
+    candidates = _candidates(program, functions, types, rng)
     if not candidates:
         return None
+    n_vis, n_all = problem.n_visible(cfg.max_visible_tests), len(problem.cases)
+    visible, every = render_tests(problem, range(n_vis)), render_tests(problem, range(n_all))
     jobs = [Job(program, every, n_all, timeout_s=REFERENCE_TEST_TIMEOUT_S)]
-    for _, buggy, _, singles in candidates:
-        jobs.append(Job(buggy, visible, n_vis, stop_at_first_failure=True))
-        jobs += [Job(s, every, n_all, stop_at_first_failure=True) for s in singles]
+    for c in candidates:
+        jobs.append(Job(c.buggy, visible, n_vis))  # every visible test: none may hang
+        jobs += [Job(s, every, n_all, stop_at_first_failure=True) for s in c.singles]
     results = _validate(jobs)
     if not results[0].all_pass:
         return None
     k = 1
-    for chosen, buggy, hunks, singles in candidates:
-        found, k = results[k : k + 1 + len(singles)], k + 1 + len(singles)
+    for c in candidates:
+        found, k = results[k : k + 1 + len(c.singles)], k + 1 + len(c.singles)
         if all(_fails_cleanly(e) for e in found):
-            return _task(problem, cfg, seed, difficulty, split, chosen, buggy, program, hunks,
-                         helpers, visible, n_vis)  # fmt: skip
+            ordered = sorted(c.sites, key=lambda s: s.line)
+            mutations = tuple(
+                Mutation(s.bug_type, s.function, line, b, f, s.description)
+                for s, (line, b, f) in zip(ordered, c.hunks)
+            )
+            return Task(
+                seed=seed,
+                difficulty=difficulty,
+                split=split,
+                config=cfg,
+                problem=problem.task_id,
+                entry_point=problem.entry_point,
+                bug_types=tuple(m.bug_type for m in mutations),
+                mutations=mutations,
+                helpers=tuple(helpers),
+                solution=c.buggy,
+                reference=program,
+                visible_tests=visible,
+                hidden_tests=render_tests(problem, range(n_vis, n_all), first_number=n_vis + 1),
+                n_visible=n_vis,
+                n_hidden=n_all - n_vis,
+            )
     return None
 
 
@@ -280,33 +312,3 @@ def _validate(jobs: list[Job]):
     if any(r.stopped for r in results):
         results = [evaluate_batch(sandbox, [j], **kw)[0] for j in jobs]
     return results
-
-
-def _task(problem, cfg, seed, difficulty, split, chosen, buggy, program, hunks, helpers, visible,
-          n_vis) -> Task:  # fmt: skip
-    ordered = sorted(chosen, key=lambda s: s.line)
-    mutations = tuple(
-        Mutation(s.bug_type, s.function, line, b, f, s.description)
-        for s, (line, b, f) in zip(ordered, hunks)
-    )
-    n_all = len(problem.cases)
-    return Task(
-        seed=seed,
-        difficulty=difficulty,
-        split=split,
-        config=cfg,
-        problem=problem.task_id,
-        entry_point=problem.entry_point,
-        bug_types=tuple(m.bug_type for m in mutations),
-        mutations=mutations,
-        helpers=tuple(helpers),
-        solution=buggy,
-        reference=program,
-        visible_tests=visible,
-        hidden_tests=render_tests(problem, range(n_vis, n_all), first_number=n_vis + 1),
-        n_visible=n_vis,
-        n_hidden=n_all - n_vis,
-    )
-
-
-__all__ = ["HIDDEN_TEST_FILE", "Mutation", "Task", "make_task", "signature_of"]
