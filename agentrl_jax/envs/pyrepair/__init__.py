@@ -1,0 +1,48 @@
+"""agentrl_jax.envs.pyrepair: repairing real Python (HumanEval) with tools, run in a sandbox.
+
+Modules: ``config`` (levels, bug types, splits), ``problems`` (HumanEval programs and tests),
+``mutations`` (``ast`` bug injection), ``refactor`` (helper extraction), ``execution`` (sandboxed
+test runs; ``runner`` runs inside the sandbox), ``task`` (``make_task``), ``prompts``, ``tools``
+(view/run_tests/edit/submit), ``env`` (``PyRepairEnv``), ``tokenizer`` (``ByteTokenizer``),
+``expert`` (scripted demonstrations).
+"""
+
+from agentrl_jax.envs.pyrepair.config import (
+    BUG_TYPES,
+    BUGS_PER_DIFFICULTY,
+    DIFFICULTIES,
+    HELDOUT_COMBO,
+    HELDOUT_SEED_START,
+    MAX_SEED,
+    EnvConfig,
+    difficulty_config,
+    is_heldout_combo,
+    seed_range,
+    split_of,
+)
+from agentrl_jax.envs.pyrepair.env import PROCESS_KEYS, PyRepairEnv
+from agentrl_jax.envs.pyrepair.expert import ExpertPolicy, expert_calls
+from agentrl_jax.envs.pyrepair.task import Mutation, Task, make_task
+from agentrl_jax.envs.pyrepair.tokenizer import ByteTokenizer
+
+__all__ = [
+    "BUGS_PER_DIFFICULTY",
+    "BUG_TYPES",
+    "DIFFICULTIES",
+    "HELDOUT_COMBO",
+    "HELDOUT_SEED_START",
+    "MAX_SEED",
+    "PROCESS_KEYS",
+    "ByteTokenizer",
+    "EnvConfig",
+    "ExpertPolicy",
+    "Mutation",
+    "PyRepairEnv",
+    "Task",
+    "difficulty_config",
+    "expert_calls",
+    "is_heldout_combo",
+    "make_task",
+    "seed_range",
+    "split_of",
+]

@@ -1,0 +1,215 @@
+"""Running a solution's tests in the sandbox and reading the results back.
+
+Every execution of a solution (the agent's ``run_tests`` and ``submit``, the visible-test
+evaluation behind the process signals, and the validation of generated tasks) goes through
+``evaluate`` or ``evaluate_batch``, which run ``runner.py`` in a ``Sandbox``. A run that a limit
+stopped (time, memory, output) comes back as an ``Evaluation`` whose tests all failed and whose
+report says which limit.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import pathlib
+import secrets
+import threading
+from collections.abc import Sequence
+
+from agentrl_jax.envs.pyrepair.problems import SOLUTION_FILE
+from agentrl_jax.envs.sandbox import Limits, Result, Sandbox
+
+RUNNER = (pathlib.Path(__file__).parent / "runner.py").read_text()
+JOBS_FILE = ".jobs.json"
+SANDBOX_LIMITS = Limits(cpu_s=30, address_space_bytes=1 << 30, n_procs=32, output_bytes=4 << 20)
+
+_default: Sandbox | None = None
+_default_lock = threading.Lock()
+
+
+def default_sandbox() -> Sandbox:
+    """The process-wide sandbox the environment uses unless given one (created on first use).
+
+    Raises:
+      SandboxUnavailable: the host cannot isolate a run.
+    """
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Sandbox(SANDBOX_LIMITS)
+        return _default
+
+
+def parses(source: str) -> bool:
+    """Whether ``source`` is valid Python (checked on the host, nothing is executed)."""
+    try:
+        ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """The results of one test module run against one solution.
+
+    Attributes:
+      n_expected: tests the module defines (what "all pass" needs).
+      names, outcomes, errors: per test run: ``test_k``, ``passed``/``failed``/``error`` and the
+        exception class name (None when passed).
+      collect_error: exception class that stopped the import of solution or tests, or None.
+      parses: the solution is valid Python.
+      stopped: the sandbox limit that ended the run (``Result.killed_by``), or None.
+      report: the pytest-style text (empty for batch runs).
+      sandbox_s: wall-clock seconds of the sandboxed run.
+    """
+
+    n_expected: int
+    names: tuple[str, ...] = ()
+    outcomes: tuple[str, ...] = ()
+    errors: tuple[str | None, ...] = ()
+    collect_error: str | None = None
+    parses: bool = True
+    stopped: str | None = None
+    report: str = ""
+    sandbox_s: float = 0.0
+
+    @property
+    def n_pass(self) -> int:
+        return sum(o == "passed" for o in self.outcomes)
+
+    @property
+    def all_pass(self) -> bool:
+        return (
+            self.collect_error is None
+            and self.stopped is None
+            and (self.n_pass == self.n_expected == len(self.outcomes))
+        )
+
+    @property
+    def any_fail(self) -> bool:
+        return not self.all_pass
+
+    @property
+    def error_classes(self) -> frozenset[str]:
+        """Exception classes present (wrong answers, ``AssertionError``, are not errors)."""
+        if not self.parses:
+            return frozenset({"SyntaxError"})
+        found = {e for e in self.errors if e not in (None, "AssertionError")}
+        if self.collect_error:
+            found.add(self.collect_error)
+        if self.stopped:
+            found.add(f"limit:{self.stopped}")
+        return frozenset(found)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One solution and one test module to run (``test_file`` names the module in reports;
+    ``timeout_s``, when set, replaces the batch's per-test limit for this job)."""
+
+    solution: str
+    tests: str
+    n_expected: int
+    test_file: str = "test_solution.py"
+    stop_at_first_failure: bool = False
+    timeout_s: float | None = None
+
+
+def evaluate_batch(
+    sandbox: Sandbox,
+    jobs: Sequence[Job],
+    *,
+    test_timeout_s: float,
+    run_timeout_s: float,
+    report: bool = False,
+) -> list[Evaluation]:
+    """Runs ``jobs`` in one sandboxed process; one ``Evaluation`` per job.
+
+    With ``report`` (one job only) the job's files are written to the work directory and the
+    evaluation carries the pytest-style report.
+
+    Raises:
+      ValueError: ``report`` with more than one job, or no jobs.
+      SandboxUnavailable: the sandbox cannot run.
+    """
+    if not jobs or (report and len(jobs) != 1):
+        raise ValueError(f"jobs must be non-empty (exactly one with report), got {len(jobs)}")
+    nonce = secrets.token_hex(16)
+    payload = [
+        {
+            "solution": j.solution,
+            "tests": j.tests,
+            "test_file": j.test_file,
+            "stop_at_first_failure": j.stop_at_first_failure,
+            "timeout_s": j.timeout_s,
+        }
+        for j in jobs
+    ]
+    files = {JOBS_FILE: json.dumps(payload)}
+    if report:
+        files |= {SOLUTION_FILE: jobs[0].solution, jobs[0].test_file: jobs[0].tests}
+    mode = "report" if report else "batch"
+    # -S: no site-packages (solutions use the standard library; site costs tens of ms a run)
+    argv = ["python", "-S", "-c", RUNNER, mode, nonce, JOBS_FILE, repr(test_timeout_s)]
+    res = sandbox.run(files, argv, run_timeout_s)
+    return _read(res, nonce, jobs, report)
+
+
+def _read(res: Result, nonce: str, jobs: Sequence[Job], report: bool) -> list[Evaluation]:
+    head, sep, tail = res.stdout.rpartition("\n" + nonce + " ")
+    results = None
+    if sep and res.killed_by is None:
+        try:
+            results = json.loads(tail)
+        except json.JSONDecodeError:
+            results = None
+    if results is None or len(results) != len(jobs):
+        text = _stopped_text(res)
+        return [
+            Evaluation(
+                n_expected=j.n_expected,
+                parses=parses(j.solution),
+                stopped=res.killed_by or "crash",
+                report=text if report else "",
+                sandbox_s=res.wall_s,
+            )
+            for j in jobs
+        ]
+    return [
+        Evaluation(
+            n_expected=j.n_expected,
+            names=tuple(r["names"]),
+            outcomes=tuple(r["outcomes"]),
+            errors=tuple(r["errors"]),
+            collect_error=r["collect_error"],
+            parses=parses(j.solution),
+            report=head.strip("\n") if report else "",
+            sandbox_s=res.wall_s,
+        )
+        for j, r in zip(jobs, results)
+    ]
+
+
+def _stopped_text(res: Result) -> str:
+    if res.killed_by == "timeout":
+        why = "the run took longer than its time limit"
+    elif res.killed_by is not None:
+        why = f"the run hit its {res.killed_by} limit"
+    else:
+        why = f"the test runner exited with status {res.returncode}"
+    lines = [f"tests stopped: {why}"]
+    err = res.stderr.strip()
+    if err:
+        lines += ["stderr (last lines):", *err.split("\n")[-10:]]
+    return "\n".join(lines)
+
+
+def evaluate(
+    sandbox: Sandbox, job: Job, *, test_timeout_s: float, run_timeout_s: float, report: bool
+) -> Evaluation:
+    """``evaluate_batch`` of one job."""
+    return evaluate_batch(
+        sandbox, [job], test_timeout_s=test_timeout_s, run_timeout_s=run_timeout_s, report=report
+    )[0]
