@@ -13,7 +13,8 @@ never import an environment module themselves, so a new environment plugs in wit
 Built-in environments register when their package is imported; :func:`get_env` imports a
 built-in package by its module name on first use (no import edge from here to it). A task of any
 registered environment has ``seed``, ``difficulty``, ``bug_types`` (one type per bug) and
-``bugs`` (dataclasses with ``type`` and ``subtype``), which evaluation groups results by.
+``bugs`` (dataclasses with a ``type`` and, where the environment has them, a ``subtype``), which
+evaluation groups results by.
 """
 
 from __future__ import annotations

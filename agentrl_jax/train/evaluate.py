@@ -178,7 +178,9 @@ def eval_tasks(
 def _bug_labels(task) -> tuple[list[str], list[str]]:
     """A task's distinct bug types and ``"type/subtype"`` labels (none for a task without bugs)."""
     types = sorted(set(task.bug_types))
-    subtypes = sorted({f"{b.type}/{b.subtype}" for b in getattr(task, "bugs", ())})
+    subtypes = sorted(
+        {f"{b.type}/{b.subtype}" for b in task.bugs if getattr(b, "subtype", None) is not None}
+    )
     return types, subtypes
 
 

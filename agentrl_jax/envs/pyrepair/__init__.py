@@ -4,7 +4,7 @@ Modules: ``config`` (levels, bug types, splits), ``problems`` (HumanEval program
 ``mutations`` (``ast`` bug injection), ``refactor`` (helper extraction), ``execution`` (sandboxed
 test runs; ``runner`` runs inside the sandbox), ``task`` (``make_task``), ``prompts``, ``tools``
 (view/run_tests/edit/submit), ``env`` (``PyRepairEnv``), ``tokenizer`` (``ByteTokenizer``),
-``expert`` (scripted demonstrations).
+``expert`` (scripted demonstrations), ``spec`` (the ``EnvSpec`` registered as ``"pyrepair"``).
 """
 
 from agentrl_jax.envs.pyrepair.config import (
@@ -22,8 +22,12 @@ from agentrl_jax.envs.pyrepair.config import (
 )
 from agentrl_jax.envs.pyrepair.env import PROCESS_KEYS, PyRepairEnv
 from agentrl_jax.envs.pyrepair.expert import ExpertPolicy, expert_calls
+from agentrl_jax.envs.pyrepair.spec import PYREPAIR
 from agentrl_jax.envs.pyrepair.task import Mutation, Task, make_task
 from agentrl_jax.envs.pyrepair.tokenizer import ByteTokenizer
+from agentrl_jax.envs.registry import register_env
+
+register_env(PYREPAIR)
 
 __all__ = [
     "BUGS_PER_DIFFICULTY",
@@ -33,6 +37,7 @@ __all__ = [
     "HELDOUT_SEED_START",
     "MAX_SEED",
     "PROCESS_KEYS",
+    "PYREPAIR",
     "ByteTokenizer",
     "EnvConfig",
     "ExpertPolicy",

@@ -71,6 +71,11 @@ class Mutation:
     fixed: tuple[str, ...]
     description: str
 
+    @property
+    def type(self) -> str:
+        """The bug type (the name evaluation groups results by, as for every environment)."""
+        return self.bug_type
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:
