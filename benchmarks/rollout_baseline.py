@@ -10,7 +10,7 @@ stops early, nothing is masked), full-vocabulary sampling at temperature 1 (``to
 
 Threads: ``--threads`` sets ``torch.set_num_threads`` (default 2, the machine's cores). On a
 shared, loaded machine PyTorch's OpenMP workers wait on each other at every op and generate()
-slows down >10x (measured: 82 tok/s with 2 threads vs 1250 with 1 at batch 8, load ~7); compare
+slows down more than tenfold (docs/results.md has the measurement); compare
 against the faster of ``--threads 1`` and ``--threads 2`` and report the load average.
 
 Keys as in ``rollout.py``: tokens_per_s (prompt + new tokens over one generate call, as there),

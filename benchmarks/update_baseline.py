@@ -16,8 +16,8 @@ gathers the rows and runs ``torch.nn.functional.grouped_mm`` over per-expert off
 bwd, CPU kernel since torch 2.9); ``eager`` loops over the experts that got a token
 (``torch.where`` + row gather, two linears, ``index_add_``); ``batched_mm`` gathers one weight
 matrix per pair and runs ``bmm``: N*k = 3072 copies of the expert weights, 3.6 GB per layer
-kept for backward here (RSS reached 14.8 GB before it was stopped), so it is not measured by
-default (pass it explicitly; needs > 20 GB). ``update.py``'s MoE instead fills
+kept for backward here, so it is not measured by default (pass it explicitly; needs > 20 GB of
+memory, docs/results.md). ``update.py``'s MoE instead fills
 ``[E, C, D]`` buffers with capacity ``C = ceil(1.25 * N * k / E)`` (480 rows per expert here,
 so 1.25x the routed rows are computed) and drops overflow pairs.
 
@@ -42,9 +42,9 @@ in ``update.py``; ours still computes them).
 ``--compile`` adds ``/compiled`` lines: the loss function (model forward + logprobs + PPO loss)
 through ``torch.compile`` (default inductor, C++ codegen with the system gcc on CPU), backward
 via AOTAutograd; clip, AdamW and the metrics stay eager. It works with torch 2.13 on CPU
-without graph breaks reported; ``compile_s`` is the first (compiling) step: ~90 s dense, ~50 s
-MoE on the shared 2-core machine with a cold inductor cache, 1-9 s once its on-disk cache
-(/tmp/torchinductor_$USER) holds the graphs. Under dynamo transformers' ``grouped_mm``
+without graph breaks reported; ``compile_s`` is the first (compiling) step, a minute or more
+with a cold inductor cache and seconds once its on-disk cache (/tmp/torchinductor_$USER) holds
+the graphs. Under dynamo transformers' ``grouped_mm``
 experts path takes its opaque fp32 fallback op (``transformers::grouped_mm_fallback``: one
 ``torch.mm`` per expert over its sorted rows, fwd and bwd), so inductor compiles the graph
 around the experts.
@@ -53,7 +53,7 @@ Threads: ``--threads`` is a comma list for ``torch.set_num_threads``, each measu
 (default ``1,2``). As ``rollout_baseline.py`` notes, OpenMP workers wait on each other at
 every op on a loaded 2-core machine; compare against the faster setting and report the load
 average (key ``load_avg``: /proc/loadavg when each line's timing starts). Results and ratios
-against ``update.py``: the README's update row.
+against ``update.py``: docs/results.md.
 
 Keys as in ``update.py`` where they mean the same: step_ms (+ _min/_max, median of ``--reps``
 warm steps after one warm-up step), tokens_per_s (8 * 192 / step), compile_s (compiled
