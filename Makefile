@@ -4,9 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
-# The suite compiles ~770 CPU-s of distinct XLA programs on a clean clone (60% of its CPU time).
-# LLVM optimisation off (HLO passes, hence op order and dtypes, unchanged) cuts a cold
-# `make test` on 2 cores from 647 to 486 s with the same 450 tests passing (session 10).
+# Most of a cold suite's CPU time is XLA compiling; LLVM optimisation off (HLO passes, hence op
+# order and dtypes, unchanged) makes a cold `make test` about a quarter faster with the same
+# tests passing (docs/results.md has the measurement, its machine and date).
 # `make test TEST_XLA_FLAGS=` runs the suite with XLA's default optimisation.
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 

@@ -178,9 +178,9 @@ def weight_einsum(
     ``BTD,DNH->BTNH``, ``BTNH,NHD->BTD``) or ``<batch><contract>,<out><contract>`` (a tied
     unembedding ``BTD,VD->BTV``), ``x`` is reshaped to [prod(batch), prod(contract)] and ``w``
     to [prod(contract), prod(out)] (or its transpose): the same products and sums, but XLA CPU's
-    gradient of the 3-D form transposes and copies its operands (measured: a SwiGLU FFN's
-    gradient at 8 x 192 x 256 -> 768 took 44 ms as 3-D einsums vs 18 ms as 2-D matmuls). Any
-    other form goes to ``jnp.einsum`` unchanged. The parsing runs at trace time only.
+    gradient of the 3-D form transposes and copies its operands, which makes it several times
+    slower (docs/results.md has the measurement). Any other form goes to ``jnp.einsum``
+    unchanged. The parsing runs at trace time only.
     ``out_dtype`` casts the result (inside the matmul's hand-written gradient, whose backward
     matmuls then read the cotangent in that dtype: bf16 in, f32 accumulated, as the forward).
     """
@@ -218,11 +218,11 @@ def _matmul(x, w, transposed: bool, accum, out):
     Differentiated by hand so that the weight gradient x^T g is a matmul XLA CPU runs fast: as
     autodiff writes it (contracting dimension 0 of both operands) XLA CPU upcasts bf16 operands
     to f32 and leaves its fast matmul library for a slower generic dot; with a leading unit
-    batch axis it transposes x once and runs the library matmul in the operands' dtype
-    (measured on this project's CPU: 1536 x 256 x 768 weight gradient, bf16 3.1 -> 1.2 ms).
-    The same products and f32 sums; only the summation order differs. Used for operands
-    narrower than the accumulation only: with fp32 operands the hand-written form measured
-    slower in the whole update step (dense 195 -> 217 ms) and autodiff is kept.
+    batch axis it transposes x once and runs the library matmul in the operands' dtype, about
+    2.5x faster for bf16. The same products and f32 sums; only the summation order differs.
+    Used for operands narrower than the accumulation only: with fp32 operands the hand-written
+    form makes the whole update step slower, so autodiff is kept (docs/results.md has both
+    measurements).
     """
     return _matmul_fwd(x, w, transposed, accum, out)[0]
 

@@ -1,5 +1,11 @@
 """``agentrl report``: summary table and PNG curves of a run's ``metrics.jsonl``; sweep helpers.
 
+``agentrl report RUN_DIR`` prints the table (first / last / min / max of every metric, and the
+metrics that never changed), and writes into ``RUN_DIR/plots/`` one PNG per metric group, the
+table as ``summary.csv`` and ``dashboard.png`` (:mod:`agentrl_jax.dashboard`: held-out success
+before and after RL with its paired error bar, and the RL curves a person reads first).
+Series that never change are not drawn; tick labels show values, never an offset.
+
 Plots use matplotlib's Agg canvas directly (``matplotlib.figure.Figure``), never pyplot, so no
 global backend is switched and nothing needs a display.
 
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -22,11 +29,19 @@ from typing import Any
 
 import numpy as np
 
+from agentrl_jax.dashboard import (
+    DASHBOARD_FILE,
+    constant_series,
+    is_constant,
+    plain_axes,
+    write_dashboard,
+)
 from agentrl_jax.metrics import METRICS_FILE, read_jsonl, to_float
 
 logger = logging.getLogger(__name__)
 
 PLOTS_DIR = "plots"
+SUMMARY_FILE = "summary.json"
 SUMMARY_COLUMNS = ("metric", "first", "last", "min", "max", "n")
 _GROUP_RULES: tuple[tuple[str, str], ...] = (
     ("memory", r"memory|bytes"),
@@ -177,12 +192,14 @@ def plot_groups(
 ) -> list[str]:
     """Writes one PNG per metric group (``<out_dir>/<group>.png``), one panel per metric.
 
+    Metrics that never change are left out (a group of only those gets no PNG).
     Returns the written paths, sorted.
     """
     os.makedirs(out_dir, exist_ok=True)
     groups: dict[str, list[str]] = {}
     for name in sorted(series):
-        groups.setdefault(metric_group(name), []).append(name)
+        if not is_constant(series[name][1]):
+            groups.setdefault(metric_group(name), []).append(name)
     paths = []
     for group, names in sorted(groups.items()):
         fig, axes = _figure(len(names))
@@ -193,6 +210,7 @@ def plot_groups(
             ax.set_xlabel("step", fontsize=8)
             ax.tick_params(labelsize=7)
             ax.grid(alpha=0.3)
+            plain_axes(ax)
         fig.suptitle(group)
         path = os.path.join(os.fspath(out_dir), f"{group}.png")
         fig.savefig(path, dpi=90)
@@ -202,21 +220,35 @@ def plot_groups(
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """What :func:`build_report` produced: the summary rows, their text table, the PNG paths."""
+    """What :func:`build_report` produced.
+
+    Attributes:
+      run_dir: the run directory.
+      rows: one summary row per metric (:func:`summarize`).
+      table: ``rows`` as a plain-text table.
+      plots: the metric-group PNGs.
+      dashboard: the dashboard PNG, or None (plots off, or nothing to draw).
+      constant: ``{metric: value}`` of the metrics logged more than once that never changed.
+    """
 
     run_dir: str
     rows: list[dict[str, Any]]
     table: str
     plots: list[str]
+    dashboard: str | None = None
+    constant: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def build_report(run_dir: str | os.PathLike, *, plots: bool = True) -> Report:
     """Summarises ``<run_dir>/metrics.jsonl`` and writes plots into ``<run_dir>/plots/``.
 
-    Also writes ``<run_dir>/plots/summary.csv`` with the table rows.
+    Also writes ``<run_dir>/plots/summary.csv`` with the table rows, and
+    ``<run_dir>/plots/dashboard.png`` (held-out success from ``<run_dir>/summary.json`` when
+    the run has one).
 
     Raises:
-      ValueError: missing run directory / metrics file, malformed JSONL, or no numeric metric.
+      ValueError: missing run directory / metrics file, malformed JSONL or ``summary.json``, or
+        no numeric metric.
     """
     series = load_series(run_dir)
     if not series:
@@ -225,10 +257,31 @@ def build_report(run_dir: str | os.PathLike, *, plots: bool = True) -> Report:
     table = format_table(rows, SUMMARY_COLUMNS)
     out_dir = os.path.join(os.fspath(run_dir), PLOTS_DIR)
     written: list[str] = []
+    dashboard = None
     if plots:
         written = plot_groups(series, out_dir)
         write_sweep_table(rows, os.path.join(out_dir, "summary.csv"), columns=SUMMARY_COLUMNS)
-    return Report(run_dir=os.fspath(run_dir), rows=rows, table=table, plots=written)
+        summary = _read_summary(run_dir)
+        dashboard = write_dashboard(series, summary, os.path.join(out_dir, DASHBOARD_FILE))
+    return Report(
+        run_dir=os.fspath(run_dir),
+        rows=rows,
+        table=table,
+        plots=written,
+        dashboard=dashboard,
+        constant=constant_series(series),
+    )
+
+
+def _read_summary(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    path = os.path.join(os.fspath(run_dir), SUMMARY_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from e
 
 
 def write_sweep_table(
@@ -299,6 +352,7 @@ def plot_sweep_curves(
     ax.set_xlabel("step")
     ax.set_title(metric)
     ax.grid(alpha=0.3)
+    plain_axes(ax)
     ax.legend(fontsize=7)
     parent = os.path.dirname(os.fspath(path_png))
     if parent:
@@ -312,6 +366,11 @@ def run_from_cli(args) -> int:
     report = build_report(args.run_dir, plots=not getattr(args, "no_plots", False))
     print(f"run: {report.run_dir}")
     print(report.table)
+    if report.constant:
+        listed = ", ".join(f"{k}={v:.6g}" for k, v in report.constant.items())
+        print(f"constant over the run (not plotted): {listed}")
     if report.plots:
         print(f"plots ({len(report.plots)}): {os.path.dirname(report.plots[0])}")
+    if report.dashboard:
+        print(f"dashboard: {report.dashboard}")
     return 0

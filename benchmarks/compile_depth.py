@@ -18,6 +18,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from common import env_fields, preset
 from flax import linen as nn
 
 from agentrl_jax.model.config import ModelConfig
@@ -55,21 +56,7 @@ def main(argv=None) -> int:
     os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
     jax.config.update("jax_enable_compilation_cache", False)
     policy = get_policy(args.policy)
-    base = ModelConfig(
-        vocab_size=512,
-        d_model=64,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        layer_pattern="SSSF",
-        window=32,
-        sparse_block_size=8,
-        sparse_topk_tokens=32,
-        n_experts=4,
-        experts_per_token=2,
-        d_expert=64,
-        capacity_factor=1.25,
-    )
+    base = preset("small-moe-sssf", capacity_factor=1.25)
     out = {"bench": "compile_depth", "variant": f"tiny-SSSF-moe-{args.policy}-grad"}
     for depth in [int(d) for d in args.depths.split(",")]:
         t, cpu = compile_seconds(
@@ -88,9 +75,7 @@ def main(argv=None) -> int:
     out[f"ratio_cpu_{depths[-1]}_vs_{depths[0]}"] = round(
         out[f"compile_cpu_s_{depths[-1]}"] / out[f"compile_cpu_s_{depths[0]}"], 3
     )
-    out.update(
-        backend=jax.default_backend(), devices=jax.device_count(), jax_version=jax.__version__
-    )
+    out.update(env_fields())
     print(json.dumps(out))
     return 0
 

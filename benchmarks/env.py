@@ -15,7 +15,7 @@ import json
 import statistics
 import time
 
-import jax
+from common import Timing, env_fields
 
 from agentrl_jax.envs.coderepair.config import DIFFICULTIES
 from agentrl_jax.envs.coderepair.env import CodeRepairEnv
@@ -54,15 +54,16 @@ def measure(difficulty: int, detour: float, episodes: int, reps: int) -> dict:
                 adhered.append(ep.goal_adhered)
                 prompt.append(int((ep.turn_ids == 0).sum()))
         if rep:
-            per_step.append(env.step_s / env.steps * 1e6)
+            per_step.append(env.step_s / env.steps * 1e3)  # ms per step
+    t = Timing.from_ms(per_step)
     return {
         "bench": "env",
         "variant": "expert_detour" if detour else "expert",
         "difficulty": difficulty,
         "episodes": episodes,
-        "us_per_step": round(statistics.median(per_step), 1),
-        "us_per_step_min": round(min(per_step), 1),
-        "us_per_step_max": round(max(per_step), 1),
+        "us_per_step": round(t.median_ms * 1e3, 1),
+        "us_per_step_min": round(t.min_ms * 1e3, 1),
+        "us_per_step_max": round(t.max_ms * 1e3, 1),
         "make_task_us": round(make_task_us, 1),
         "mean_episode_tokens": round(statistics.mean(tokens), 1),
         "max_episode_tokens": max(tokens),
@@ -71,9 +72,7 @@ def measure(difficulty: int, detour: float, episodes: int, reps: int) -> dict:
         "expert_success_rate": statistics.mean(success),
         "goal_adherence": statistics.mean(adhered),
         "vocab_size": CodeRepairEnv().tokenizer.vocab_size,
-        "backend": jax.default_backend(),
-        "devices": jax.device_count(),
-        "jax_version": jax.__version__,
+        **env_fields(),
     }
 
 

@@ -27,9 +27,9 @@ import sys
 
 import jax
 import numpy as np
+from common import env_fields, preset
 
 from agentrl_jax.envs.coderepair import CodeRepairEnv, CodeTokenizer, make_task
-from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rl.mismatch import mismatch_metrics
@@ -38,22 +38,7 @@ from agentrl_jax.rollout.kv_cache import EvictionConfig, kv_bytes_per_seq
 from agentrl_jax.rollout.parity import trainer_logprobs
 from agentrl_jax.rollout.sampler import SamplingConfig, get_sampler
 
-MODEL = ModelConfig(
-    vocab_size=512,
-    d_model=64,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    layer_pattern="SSSF",
-    window=16,
-    sparse_block_size=8,
-    sparse_topk_tokens=32,
-    n_experts=4,
-    experts_per_token=2,
-    d_expert=32,
-    init_std=0.1,
-)
+MODEL = preset("small-moe-sssf", window=16, d_expert=32, init_std=0.1)
 
 
 def measure(policy_name, kv_option, args, params, tok, tasks):
@@ -118,9 +103,7 @@ def measure(policy_name, kv_option, args, params, tok, tasks):
                     for r in traj.logs
                 ),
                 model=f"{MODEL.layer_pattern} L{MODEL.n_layers} d{MODEL.d_model} moe",
-                backend=jax.default_backend(),
-                devices=jax.device_count(),
-                jax_version=jax.__version__,
+                **env_fields(),
             )
         )
     return lines

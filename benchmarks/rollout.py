@@ -1,6 +1,6 @@
 """Rollout throughput: jitted prefill + while_loop decode vs a no-cache decoder (JSON lines).
 
-Per model (tiny dense / tiny MoE: 4 layers, d_model 256, 4 query heads, 2 KV heads of dim 64,
+Per model (``common.bench_model``: 4 layers, d_model 256, 4 query heads, 2 KV heads of dim 64,
 vocab 1024, tied embeddings, fp32; dense FFN 768; MoE 8 experts top-2, hidden 384), layer pattern
 (``D`` all dense, ``SSSF`` hybrid) and batch: prompt 64, 128 new tokens without early stop,
 full-vocabulary sampling at temperature 1.
@@ -20,48 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import NEW, PROMPT, bench_model, env_fields, time_ms
 
-from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rollout.kv_cache import PagePool, dense_kv_bytes, kv_bytes_per_seq
 from agentrl_jax.rollout.sampler import Sampler, SamplingConfig, sample_tokens, token_keys
-
-PROMPT, NEW = 64, 128
-
-
-def model_cfg(kind: str, pattern: str) -> ModelConfig:
-    common = dict(
-        vocab_size=1024,
-        d_model=256,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=64,
-        layer_pattern=pattern,
-        window=64,
-        sparse_block_size=16,
-        sparse_topk_tokens=64,
-        tie_embeddings=True,
-    )
-    if kind == "moe":
-        return ModelConfig(**common, n_experts=8, experts_per_token=2, d_expert=384)
-    return ModelConfig(**common, d_ff=768)
-
-
-def timed(fn, reps):
-    out, times = None, []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return out, statistics.median(times), min(times), max(times)
 
 
 def nocache_fn(model, cfg: SamplingConfig, batch: int):
@@ -86,7 +55,7 @@ def nocache_fn(model, cfg: SamplingConfig, batch: int):
 
 
 def bench_one(kind, pattern, batch, args):
-    mcfg = model_cfg(kind, pattern)
+    mcfg = bench_model(kind, pattern)
     policy = get_policy(args.policy)
     model = Transformer(mcfg, policy)
     params = init_params(model, jax.random.key(0))
@@ -126,9 +95,10 @@ def bench_one(kind, pattern, batch, args):
         s, out = dec(params, s, rng, uids, active, budget, np.int32(batch))
         return out.tokens, s.cache["lengths"]
 
-    prefill_only()
-    (gen, lengths), t_full, t_min, t_max = timed(full, args.reps)
-    _, t_pre, _, _ = timed(prefill_only, args.reps)
+    gen, lengths = full()  # warm; the timed calls sample the same tokens
+    t = time_ms(full, reps=args.reps, warmup=0)
+    t_pre = time_ms(prefill_only, reps=args.reps).median_ms / 1e3
+    t_full = t.median_ms / 1e3
     t_dec = max(t_full - t_pre, 1e-9)
     assert_len = int(np.asarray(lengths)[0])
     pool = PagePool(batch, batch * cfg.max_len // cfg.page_size, cfg.page_size, cfg.max_len)
@@ -149,9 +119,7 @@ def bench_one(kind, pattern, batch, args):
         tokens_per_s=batch * (PROMPT + NEW) / t_full,
         decode_tokens_per_s=batch * NEW / t_dec,
         prefill_ms=1e3 * t_pre,
-        total_ms=1e3 * t_full,
-        total_ms_min=1e3 * t_min,
-        total_ms_max=1e3 * t_max,
+        **t.fields("total_ms"),
         compile_s=compile_s,
         generated_per_seq=int(np.asarray(gen).shape[1]),
         kv_bytes_per_seq=kv_bytes_per_seq(mcfg, policy, 8192, cfg.page_size),
@@ -164,13 +132,10 @@ def bench_one(kind, pattern, batch, args):
         t0 = time.perf_counter()
         fn = fn.lower(params, prompt, rng).compile()
         line["nocache_compile_s"] = time.perf_counter() - t0
-        fn(params, prompt, rng).block_until_ready()
-        _, t_nc, _, _ = timed(lambda: fn(params, prompt, rng), max(1, args.reps // 2))
-        line["nocache_tokens_per_s"] = batch * NEW / t_nc
+        t_nc = time_ms(lambda: fn(params, prompt, rng), reps=max(1, args.reps // 2))
+        line["nocache_tokens_per_s"] = batch * NEW / (t_nc.median_ms / 1e3)
         line["speedup_vs_nocache"] = line["decode_tokens_per_s"] / line["nocache_tokens_per_s"]
-    line.update(
-        backend=jax.default_backend(), devices=jax.device_count(), jax_version=jax.__version__
-    )
+    line.update(env_fields())
     return line
 
 

@@ -10,7 +10,7 @@ stops early, nothing is masked), full-vocabulary sampling at temperature 1 (``to
 
 Threads: ``--threads`` sets ``torch.set_num_threads`` (default 2, the machine's cores). On a
 shared, loaded machine PyTorch's OpenMP workers wait on each other at every op and generate()
-slows down >10x (measured: 82 tok/s with 2 threads vs 1250 with 1 at batch 8, load ~7); compare
+slows down more than tenfold (docs/results.md has the measurement); compare
 against the faster of ``--threads 1`` and ``--threads 2`` and report the load average.
 
 Keys as in ``rollout.py``: tokens_per_s (prompt + new tokens over one generate call, as there),
@@ -35,11 +35,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
-PROMPT, NEW = 64, 128
+from common import NEW, PRESETS, PROMPT, time_ms
+
+SHAPES = PRESETS["bench-dense"]  # rollout.py's dense model: the same sizes, read from one place
 
 # This directory's kernels.py / env.py / update.py would shadow modules that transformers probes.
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,18 +64,18 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 def build_model(attn: str) -> LlamaForCausalLM:
     cfg = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
+        vocab_size=SHAPES["vocab_size"],
+        hidden_size=SHAPES["d_model"],
+        intermediate_size=SHAPES["d_ff"],
+        num_hidden_layers=SHAPES["n_layers"],
+        num_attention_heads=SHAPES["n_heads"],
+        num_key_value_heads=SHAPES["n_kv_heads"],
+        head_dim=SHAPES["head_dim"],
         hidden_act="silu",
         max_position_embeddings=PROMPT + NEW,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
-        tie_word_embeddings=True,
+        tie_word_embeddings=SHAPES["tie_embeddings"],
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=0,
@@ -89,18 +89,9 @@ def build_model(attn: str) -> LlamaForCausalLM:
     return model
 
 
-def timed(fn, reps):
-    out, times = None, []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return out, statistics.median(times), min(times), max(times)
-
-
 def bench_one(model, batch: int, args) -> dict:
     gen = torch.Generator().manual_seed(2)
-    prompt = torch.randint(0, 1024, (batch, PROMPT), generator=gen)
+    prompt = torch.randint(0, SHAPES["vocab_size"], (batch, PROMPT), generator=gen)
     mask = torch.ones_like(prompt)
 
     def full():
@@ -125,11 +116,12 @@ def bench_one(model, batch: int, args) -> dict:
         except TypeError:
             return model(input_ids=prompt, attention_mask=mask, use_cache=True)
 
+    host = lambda _: None  # CPU tensors are ready when the call returns
     with torch.inference_mode():
         out = full()  # warm-up
-        prefill_only()
-        out, t_full, t_min, t_max = timed(full, args.reps)
-        _, t_pre, _, _ = timed(prefill_only, args.reps)
+        t = time_ms(full, reps=args.reps, warmup=0, sync=host)
+        t_pre = time_ms(prefill_only, reps=args.reps, sync=host).median_ms / 1e3
+    t_full = t.median_ms / 1e3
     if tuple(out.shape) != (batch, PROMPT + NEW):
         raise RuntimeError(f"generate returned {tuple(out.shape)}, want {(batch, PROMPT + NEW)}")
     t_dec = max(t_full - t_pre, 1e-9)
@@ -147,9 +139,7 @@ def bench_one(model, batch: int, args) -> dict:
         tokens_per_s=batch * (PROMPT + NEW) / t_full,
         decode_tokens_per_s=batch * NEW / t_dec,
         prefill_ms=1e3 * t_pre,
-        total_ms=1e3 * t_full,
-        total_ms_min=1e3 * t_min,
-        total_ms_max=1e3 * t_max,
+        **t.fields("total_ms"),
         generated_per_seq=int(out.shape[1]) - PROMPT,
         reps=args.reps,
         backend="torch-cpu",

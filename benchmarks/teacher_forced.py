@@ -12,10 +12,11 @@ sampler; bitwise the rollout's logprobs), otherwise one plain full-sequence forw
             the whole batch, which is the sampler's slot count, so the fused logprobs are
             bitwise the rollout's), jitted; the update adds clipping, AdamW and metrics.
 
-Models are ``rollout.py``'s (tiny dense / MoE, 4 layers, d_model 256, 4 q / 2 kv heads of dim
-64, vocab 1024; patterns ``D`` and ``SSSF``), sequences of 64 + 128 = 192 random tokens with the
-last 128 as actions. The policies of one (model, pattern, batch, mode) are compiled first and then
-timed round-robin (one call of each policy per round), so machine load hits them alike.
+Models are ``common.bench_model``'s, as in ``rollout.py`` (dense / MoE, 4 layers, d_model 256,
+4 q / 2 kv heads of dim 64, vocab 1024; patterns ``D`` and ``SSSF``), sequences of 64 + 128 = 192
+random tokens with the last 128 as actions. The policies of one (model, pattern, batch, mode)
+are compiled first and then timed round-robin (one call of each policy per round), so machine
+load hits them alike.
 
 Keys: bench, variant, model, pattern, batch, seq_len, policy, mode, path ('chunked_scan' |
 'full_sequence'), chunk (parity only), tokens_per_s (batch * seq_len / median), ms, ms_min,
@@ -34,13 +35,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import sys
 import time
 
 import jax
 import numpy as np
-from rollout import NEW, PROMPT, model_cfg  # the rollout benchmark's models (same directory)
+from common import NEW, PROMPT, Timing, bench_model, env_fields
 
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
@@ -105,7 +105,7 @@ def build(cfg, policy_name: str, mode: str, params, batch: dict):
 
 
 def measure(kind: str, pattern: str, b: int, mode: str, args) -> list[dict]:
-    cfg = model_cfg(kind, pattern)
+    cfg = bench_model(kind, pattern)
     params = init_params(Transformer(cfg, get_policy("fp32")), jax.random.key(0))
     batch = make_batch(cfg, b, np.random.default_rng(0))
     names = args.policies.split(",")
@@ -116,13 +116,13 @@ def measure(kind: str, pattern: str, b: int, mode: str, args) -> list[dict]:
             fn, fn_args = built[n][:2]
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*fn_args))
-            times[n].append(time.perf_counter() - t0)
+            times[n].append((time.perf_counter() - t0) * 1e3)
     mask = batch["action_mask"][:, 1:]
     t = PROMPT + NEW
     lines = {}
     for n in names:
         policy = get_policy(n)
-        med = statistics.median(times[n])
+        timing = Timing.from_ms(times[n])
         fast = n.removesuffix("-parity")
         line = dict(
             bench="teacher_forced",
@@ -135,10 +135,8 @@ def measure(kind: str, pattern: str, b: int, mode: str, args) -> list[dict]:
             mode=mode,
             path="chunked_scan" if policy.parity else "full_sequence",
             chunk=CHUNK if policy.parity else None,
-            tokens_per_s=b * t / med,
-            ms=1e3 * med,
-            ms_min=1e3 * min(times[n]),
-            ms_max=1e3 * max(times[n]),
+            tokens_per_s=b * t / (timing.median_ms / 1e3),
+            **timing.fields("ms"),
             reps=args.reps,
             compile_s=built[n][2],
             fast_policy=fast,
@@ -149,9 +147,7 @@ def measure(kind: str, pattern: str, b: int, mode: str, args) -> list[dict]:
             line["max_abs_dlogp_vs_fast"] = float(d.max())
         elif fast == n:
             line["ratio_vs_fast"] = 1.0
-        line.update(
-            backend=jax.default_backend(), devices=jax.device_count(), jax_version=jax.__version__
-        )
+        line.update(env_fields())
         lines[n] = line
     return list(lines.values())
 

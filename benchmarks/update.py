@@ -1,9 +1,10 @@
 """RL update step and one full RL iteration on the tiny dense / MoE configs (one JSON line each).
 
-Configs (those of the rollout benchmark): 4 layers, d_model 256, 4 query heads and 2 KV heads of
-dim 64, vocab 1024, tied embeddings, fp32; dense FFN 768; MoE 8 experts top-2 of hidden 384 with
-capacity_factor 1.25 (each expert computes only the tokens routed to it, up to capacity);
-attention patterns 'DDDD' and 'SSSF'. Batch 8 x 192 tokens (64 prompt + 128 action tokens).
+Configs (``common.bench_model``, those of the rollout benchmark): 4 layers, d_model 256, 4 query
+heads and 2 KV heads of dim 64, vocab 1024, tied embeddings, fp32; dense FFN 768; MoE 8 experts
+top-2 of hidden 384 with capacity_factor 1.25 (each expert computes only the tokens routed to it,
+up to capacity); attention patterns 'DDDD' and 'SSSF'. Batch 8 x 192 tokens (64 prompt + 128
+action tokens).
 
 Per line:
   step_ms, step_ms_min, step_ms_max  one ``update_fn`` call (pre-update logprob recompute,
@@ -35,6 +36,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import NEW, PROMPT, bench_model, env_fields, time_ms
 
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
@@ -43,22 +45,12 @@ from agentrl_jax.rl.state import RLConfig, init_train_state
 from agentrl_jax.rl.update import make_update_fn
 from agentrl_jax.rollout.sampler import SamplingConfig, get_sampler
 
-BATCH, PROMPT, NEW = 8, 64, 128
-BASE = dict(
-    vocab_size=1024,
-    d_model=256,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=64,
-    tie_embeddings=True,
-)
-DENSE = dict(d_ff=768)
-MOE = dict(n_experts=8, experts_per_token=2, d_expert=384, capacity_factor=1.25)
+BATCH = 8
 
 
 def model_config(kind: str, pattern: str) -> ModelConfig:
-    return ModelConfig(layer_pattern=pattern, **BASE, **(MOE if kind == "moe" else DENSE))
+    """The benchmark model; the MoE computes each expert's tokens up to capacity 1.25."""
+    return bench_model(kind, pattern, **({"capacity_factor": 1.25} if kind == "moe" else {}))
 
 
 def make_batch(cfg: ModelConfig, rng: np.random.Generator, tokens=None, logp=None, routes=None):
@@ -81,15 +73,6 @@ def make_batch(cfg: ModelConfig, rng: np.random.Generator, tokens=None, logp=Non
             routes = rng.integers(0, cfg.n_experts, (BATCH, t, cfg.n_layers, 2))
         batch["routes"] = np.asarray(routes, np.int32)
     return batch
-
-
-def _timed(fn, reps):
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), min(times), max(times)
 
 
 def rollout(sampler, params, prompts, rng_key):
@@ -135,7 +118,8 @@ def measure(kind: str, pattern: str, args) -> dict:
         return m
 
     metrics = step()  # warm
-    step_ms, step_min, step_max = _timed(step, args.reps)
+    st = time_ms(step, reps=args.reps, warmup=0)
+    step_ms = st.median_ms
     line = {
         "bench": "update",
         "variant": f"{kind}-{pattern}",
@@ -144,9 +128,7 @@ def measure(kind: str, pattern: str, args) -> dict:
         "policy": policy.name,
         "batch": BATCH,
         "seq_len": PROMPT + NEW,
-        "step_ms": round(step_ms, 2),
-        "step_ms_min": round(step_min, 2),
-        "step_ms_max": round(step_max, 2),
+        **st.fields("step_ms", digits=2),
         "tokens_per_s": round(BATCH * (PROMPT + NEW) / (step_ms / 1e3), 1),
         "compile_s": round(compile_s, 2),
         "loss_finite": bool(np.isfinite(float(metrics["loss"]))),
@@ -168,19 +150,13 @@ def measure(kind: str, pattern: str, args) -> dict:
             rollout_times.append((time.perf_counter() - t0) * 1e3)
             step(make_batch(cfg, rng, toks, logp, routes))
 
-        it_ms, it_min, it_max = _timed(iteration, args.iter_reps)
+        it = time_ms(iteration, reps=args.iter_reps, warmup=0, sync=lambda _: None)
         line["rollout_ms"] = round(statistics.median(rollout_times), 2)
         line |= {
-            "rl_iteration_ms": round(it_ms, 2),
-            "rl_iteration_ms_min": round(it_min, 2),
-            "rl_iteration_ms_max": round(it_max, 2),
+            **it.fields("rl_iteration_ms", digits=2),
             "rollout_variant": "rollout.sampler prefill+decode (chunk 4), no early stop",
         }
-    line |= {
-        "backend": jax.default_backend(),
-        "devices": jax.device_count(),
-        "jax_version": jax.__version__,
-    }
+    line |= env_fields()
     return line
 
 

@@ -16,8 +16,8 @@ gathers the rows and runs ``torch.nn.functional.grouped_mm`` over per-expert off
 bwd, CPU kernel since torch 2.9); ``eager`` loops over the experts that got a token
 (``torch.where`` + row gather, two linears, ``index_add_``); ``batched_mm`` gathers one weight
 matrix per pair and runs ``bmm``: N*k = 3072 copies of the expert weights, 3.6 GB per layer
-kept for backward here (RSS reached 14.8 GB before it was stopped), so it is not measured by
-default (pass it explicitly; needs > 20 GB). ``update.py``'s MoE instead fills
+kept for backward here, so it is not measured by default (pass it explicitly; needs > 20 GB of
+memory, docs/results.md). ``update.py``'s MoE instead fills
 ``[E, C, D]`` buffers with capacity ``C = ceil(1.25 * N * k / E)`` (480 rows per expert here,
 so 1.25x the routed rows are computed) and drops overflow pairs.
 
@@ -42,9 +42,9 @@ in ``update.py``; ours still computes them).
 ``--compile`` adds ``/compiled`` lines: the loss function (model forward + logprobs + PPO loss)
 through ``torch.compile`` (default inductor, C++ codegen with the system gcc on CPU), backward
 via AOTAutograd; clip, AdamW and the metrics stay eager. It works with torch 2.13 on CPU
-without graph breaks reported; ``compile_s`` is the first (compiling) step: ~90 s dense, ~50 s
-MoE on the shared 2-core machine with a cold inductor cache, 1-9 s once its on-disk cache
-(/tmp/torchinductor_$USER) holds the graphs. Under dynamo transformers' ``grouped_mm``
+without graph breaks reported; ``compile_s`` is the first (compiling) step, a minute or more
+with a cold inductor cache and seconds once its on-disk cache (/tmp/torchinductor_$USER) holds
+the graphs. Under dynamo transformers' ``grouped_mm``
 experts path takes its opaque fp32 fallback op (``transformers::grouped_mm_fallback``: one
 ``torch.mm`` per expert over its sorted rows, fwd and bwd), so inductor compiles the graph
 around the experts.
@@ -53,7 +53,7 @@ Threads: ``--threads`` is a comma list for ``torch.set_num_threads``, each measu
 (default ``1,2``). As ``rollout_baseline.py`` notes, OpenMP workers wait on each other at
 every op on a loaded 2-core machine; compare against the faster setting and report the load
 average (key ``load_avg``: /proc/loadavg when each line's timing starts). Results and ratios
-against ``update.py``: the README's update row.
+against ``update.py``: docs/results.md.
 
 Keys as in ``update.py`` where they mean the same: step_ms (+ _min/_max, median of ``--reps``
 warm steps after one warm-up step), tokens_per_s (8 * 192 / step), compile_s (compiled
@@ -89,13 +89,15 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
-BATCH, PROMPT, NEW = 8, 64, 128
+from common import NEW, PRESETS, PROMPT, load_avg, time_ms
+
+BATCH = 8
 T = PROMPT + NEW
-VOCAB = 1024
+SHAPES = PRESETS["bench-dense"]  # update.py's models: the same sizes, read from one place
+VOCAB = SHAPES["vocab_size"]
 CLIP_LOW, CLIP_HIGH, LOG_RATIO_CAP = 0.2, 0.2, 20.0
 LR, GRAD_CLIP = 1e-5, 1.0
 
@@ -122,16 +124,16 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 COMMON = dict(
     vocab_size=VOCAB,
-    hidden_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
+    hidden_size=SHAPES["d_model"],
+    num_hidden_layers=SHAPES["n_layers"],
+    num_attention_heads=SHAPES["n_heads"],
+    num_key_value_heads=SHAPES["n_kv_heads"],
+    head_dim=SHAPES["head_dim"],
     hidden_act="silu",
     max_position_embeddings=T,
     rms_norm_eps=1e-6,
     rope_theta=10000.0,
-    tie_word_embeddings=True,
+    tie_word_embeddings=SHAPES["tie_embeddings"],
     bos_token_id=None,
     eos_token_id=None,
     pad_token_id=0,
@@ -143,13 +145,14 @@ def build_model(kind: str, attn: str, experts: str, device: str = "cpu"):
     """Randomly initialised fp32 model in train mode (dropout 0) on ``device`` -> nn.Module."""
     torch.manual_seed(0)
     if kind == "dense":
-        cfg = LlamaConfig(intermediate_size=768, attn_implementation=attn, **COMMON)
+        cfg = LlamaConfig(intermediate_size=SHAPES["d_ff"], attn_implementation=attn, **COMMON)
         model = LlamaForCausalLM(cfg)
     else:
+        moe = PRESETS["bench-moe"]
         cfg = MixtralConfig(
-            intermediate_size=384,
-            num_local_experts=8,
-            num_experts_per_tok=2,
+            intermediate_size=moe["d_expert"],
+            num_local_experts=moe["n_experts"],
+            num_experts_per_tok=moe["experts_per_token"],
             output_router_logits=False,
             router_jitter_noise=0.0,
             sliding_window=None,
@@ -259,25 +262,6 @@ def make_optimizer(model):
         return torch.optim.AdamW(model.parameters(), foreach=True, **kw)
 
 
-def timed(fn, reps, sync=lambda: None):
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), min(times), max(times)
-
-
-def load_avg() -> float | None:
-    try:
-        with open("/proc/loadavg") as f:
-            return float(f.read().split()[0])
-    except OSError:  # pragma: no cover - non-Linux
-        return None
-
-
 def measure(kind, experts, recompute, threads, compiled, args) -> dict:
     torch.set_num_threads(threads)
     device = args.device
@@ -309,7 +293,8 @@ def measure(kind, experts, recompute, threads, compiled, args) -> dict:
     first_s = time.perf_counter() - t0
     step()  # a second warm step (CUDA: allocator and autotuning caches settle)
     load = load_avg()
-    step_ms, step_min, step_max = timed(step, args.reps, sync)
+    timing = time_ms(step, reps=args.reps, warmup=0, sync=lambda _: sync())
+    step_ms = timing.median_ms
     n_params = sum(p.numel() for p in params)
     line = {
         "bench": "update_baseline",
@@ -326,9 +311,7 @@ def measure(kind, experts, recompute, threads, compiled, args) -> dict:
         "policy": args.dtype,
         "batch": BATCH,
         "seq_len": T,
-        "step_ms": round(step_ms, 2),
-        "step_ms_min": round(step_min, 2),
-        "step_ms_max": round(step_max, 2),
+        **timing.fields("step_ms", digits=2),
         "tokens_per_s": round(BATCH * T / (step_ms / 1e3), 1),
         "loss_finite": math.isfinite(holder["loss"]),
         "recompute": recompute,

@@ -23,8 +23,9 @@ An ``edit`` or ``sub`` that would leave the program as it is (the lines already 
 replaced by itself) is refused with ``error same Lk``, as an editor reports "no replacement
 performed": the agent sees it made no progress, and the call counts as rejected.
 
-The cursor spares a small model from copying line ids (measured: a 0.4M-parameter model trained
-for minutes on a CPU did not learn to copy them); every tool still takes explicit line ids.
+The cursor spares a small model from copying line ids, which a sub-million-parameter model
+trained for minutes on a CPU does not learn (docs/results.md); every tool still takes explicit
+line ids.
 """
 
 from __future__ import annotations

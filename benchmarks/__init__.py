@@ -1,0 +1,1 @@
+"""Benchmark scripts (run as ``python benchmarks/<name>.py``) and what they share."""

@@ -1,0 +1,518 @@
+"""Benchmark results on file: run benchmarks into ``benchmarks/results/``, render docs/results.md.
+
+Two steps, each optional:
+
+1. ``--run``: runs the benchmark scripts of ``SUITE`` (or ``--only`` some), each under its own
+   ``--timeout``, with this Python, and appends every JSON line they print to
+   ``<results-dir>/<machine>-<date>.jsonl``, adding the machine's fields to each line:
+   ``machine`` (the file-name slug), ``cpu_model``, ``cpu_cores``, ``cpu_flags`` (the vector
+   extensions that decide CPU matmul speed), ``accelerator`` and ``accelerator_count``,
+   ``python_version``, ``jaxlib_version``, ``load_avg_1m`` / ``load_avg_5m`` (when the line
+   arrived), ``measured_at`` (UTC), ``git_commit`` and ``command``. A script that fails or runs
+   past its timeout leaves a line with ``error`` instead.
+2. rendering (always, unless ``--no-render``): every ``*.jsonl`` in the results directory is
+   read and the tables of ``docs/results.md`` are rewritten between their markers,
+   ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` (NAME a benchmark's ``bench``
+   value; ``sources`` lists the files). One table per benchmark, machine and date, headed by
+   the machine, its versions and the commands; the text outside the markers is kept as it is.
+
+Usage::
+
+    python benchmarks/results_md.py                        # render only
+    python benchmarks/results_md.py --run --only env,update --reps 3
+    python benchmarks/results_md.py --check                # exit 1 if docs/results.md is stale
+    agentrl bench results_md -- --run                      # the same through the CLI
+
+Logs of the benchmark scripts go to stderr; this script prints one JSON line per file it wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import glob
+import json
+import os
+import platform
+import queue
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS_DIR = os.path.join(HERE, "results")
+DOC = os.path.join(ROOT, "docs", "results.md")
+
+# Script -> arguments of the default run (small repetition counts: a shared CPU's run finishes
+# in tens of minutes). ``--reps N`` replaces the repetition flags of the scripts that take them.
+SUITE: dict[str, list[str]] = {
+    "compile_depth": ["--reps", "1"],
+    "env": ["--episodes", "20", "--reps", "3"],
+    "parity": [],
+    "rollout": ["--reps", "3"],
+    "teacher_forced": ["--reps", "3"],
+    "update": ["--reps", "3", "--iter-reps", "2"],
+    "kernels": ["--reps", "3"],
+}
+REPS_FLAGS: dict[str, tuple[str, ...]] = {
+    "compile_depth": ("--reps",),
+    "env": ("--reps",),
+    "rollout": ("--reps",),
+    "teacher_forced": ("--reps",),
+    "update": ("--reps", "--iter-reps"),
+    "kernels": ("--reps",),
+    "rollout_baseline": ("--reps",),
+    "update_baseline": ("--reps",),
+}
+BASELINES: dict[str, list[str]] = {"rollout_baseline": [], "update_baseline": ["--reps", "3"]}
+
+# Columns of each benchmark's table, "key=header" (header = key when left out), "; "-separated.
+# Every table ends with the load average.
+COLUMNS: dict[str, str] = {
+    "compile_depth": (
+        "variant; compile_s_4=compile s, 4 layers; compile_s_32=32; compile_s_96=96; "
+        "ratio_96_vs_4=ratio 96/4; compile_cpu_s_4=CPU s, 4; compile_cpu_s_96=CPU s, 96; "
+        "ratio_cpu_96_vs_4=CPU ratio 96/4"
+    ),
+    "env": (
+        "difficulty=level; variant; us_per_step=us/step; us_per_step_min=min; "
+        "us_per_step_max=max; make_task_us=make_task us; mean_episode_tokens=tokens/episode; "
+        "mean_turns=turns; expert_success_rate=expert success"
+    ),
+    "parity": (
+        "policy; kv_option=KV; replay; decode_kernel=decode kernel; "
+        "max_abs_dlogp=max abs dlogp; mean_abs_dlogp=mean abs dlogp; "
+        "routing_agreement=routing agreement; n_tokens=tokens; int8_tokens=int8 tokens; "
+        "evicted_tokens=evicted; kv_bytes_ratio=KV bytes ratio"
+    ),
+    "rollout": (
+        "model; pattern; batch; policy; decode_kernel=decode kernel; tokens_per_s=tok/s; "
+        "decode_tokens_per_s=decode tok/s; prefill_ms=prefill ms; "
+        "nocache_tokens_per_s=no-cache tok/s; speedup_vs_nocache=vs no-cache; "
+        "compile_s=compile s; kv_bytes_ratio_vs_dense=KV bytes vs dense (8k)"
+    ),
+    "teacher_forced": (
+        "model; pattern; batch; mode; policy; tokens_per_s=tok/s; ms; ms_min=min; ms_max=max; "
+        "ratio_vs_fast=vs fast; max_abs_dlogp_vs_fast=max abs dlogp vs fast"
+    ),
+    "update": (
+        "variant; policy; step_ms=step ms; step_ms_min=min; step_ms_max=max; "
+        "tokens_per_s=tok/s; compile_s=compile s; rl_iteration_ms=RL iteration ms; "
+        "rollout_ms=of it rollout ms"
+    ),
+    "kernels": (
+        "op; impl; pass; seq_len=T; time_ms=ms; tflops_per_s=TFLOP/s; gb_per_s=GB/s; "
+        "dpa_time_ms=dot_product_attention ms; speedup_vs_dpa=vs it; "
+        "rel_err_vs_reference=rel. err."
+    ),
+    "rollout_baseline": (
+        "variant; threads; tokens_per_s=tok/s; decode_tokens_per_s=decode tok/s; "
+        "prefill_ms=prefill ms"
+    ),
+    "update_baseline": (
+        "variant; step_ms=step ms; step_ms_min=min; step_ms_max=max; tokens_per_s=tok/s; "
+        "compile_s=compile s"
+    ),
+}
+_GENERIC_MAX_COLUMNS = 8
+_UNIT = re.compile(r"(_ms|_s|_us|_bytes|_per_s|ratio.*|speedup.*)$")
+_MARKER = re.compile(
+    r"<!-- results:(?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /results:(?P=name) -->", re.S
+)
+_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "neon", "sve")
+
+
+# ---------------------------------------------------------------------------------------------
+# The machine
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def _cpuinfo() -> tuple[str, list[str]]:
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return model, flags
+    name = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    fam = re.search(r"^cpu family\s*:\s*(\d+)$", text, re.M)
+    mod = re.search(r"^model\s*:\s*(\d+)$", text, re.M)
+    if name:
+        model = name.group(1).strip()
+        if fam and mod:
+            model += f" (family {fam.group(1)}, model {mod.group(1)})"
+    found = re.search(r"^(flags|Features)\s*:\s*(.+)$", text, re.M)
+    if found:
+        have = set(found.group(2).split())
+        flags = [f for f in _FLAGS if f in have]
+    return model, flags
+
+
+def _accelerator(python: str) -> tuple[str, int, str | None]:
+    """(device kind or 'none', count, jaxlib version) from a child process (this process keeps
+    no device, so a GPU's memory stays free for the benchmarks)."""
+    code = (
+        "import json, jax, jaxlib; d = jax.devices(); "
+        "print(json.dumps([d[0].platform, d[0].device_kind, len(d), jaxlib.__version__]))"
+    )
+    try:
+        out = subprocess.run(
+            [python, "-c", code], capture_output=True, text=True, timeout=300, check=True
+        ).stdout
+        plat, kind, n, jaxlib_version = json.loads(out.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
+        return "unknown", 0, None
+    return ("none", 0, jaxlib_version) if plat == "cpu" else (kind, n, jaxlib_version)
+
+
+def _git_commit() -> str | None:
+    """HEAD's short hash, with ``-dirty`` when tracked files differ from it."""
+    git = ["git", "-C", ROOT]
+    try:
+        run = lambda *args: subprocess.run(
+            [*git, *args], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        head, dirty = run("rev-parse", "--short=12", "HEAD"), run("status", "--porcelain", "-uno")
+    except (subprocess.SubprocessError, OSError):
+        return None
+    return head + ("-dirty" if dirty else "")
+
+
+def machine_fields(python: str = sys.executable) -> dict[str, Any]:
+    """The fields every result line of this machine carries (see the module docstring)."""
+    cpu, flags = _cpuinfo()
+    cores = os.cpu_count() or 0
+    kind, n, jaxlib_version = _accelerator(python)
+    slug = (
+        _slug(kind) if kind not in ("none", "unknown") else f"{_slug(cpu.split(' (')[0])}-{cores}c"
+    )
+    return {
+        "machine": slug,
+        "cpu_model": cpu,
+        "cpu_cores": cores,
+        "cpu_flags": flags,
+        "accelerator": kind,
+        "accelerator_count": n,
+        "python_version": platform.python_version(),
+        "jaxlib_version": jaxlib_version,
+        "git_commit": _git_commit(),
+    }
+
+
+def _load() -> dict[str, float | None]:
+    try:
+        one, five, _ = os.getloadavg()
+    except (OSError, AttributeError):
+        return {"load_avg_1m": None, "load_avg_5m": None}
+    return {"load_avg_1m": round(one, 2), "load_avg_5m": round(five, 2)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def run_script(
+    name: str,
+    args: Sequence[str],
+    out_path: str,
+    fields: Mapping[str, Any],
+    *,
+    python: str = sys.executable,
+    timeout_s: float = 900.0,
+    script_dir: str = HERE,
+) -> int:
+    """Runs ``<script_dir>/<name>.py args`` and appends its JSON lines, with ``fields``, to
+    ``out_path``; returns how many lines it appended (an error line counts).
+
+    Lines are appended as they arrive, so a timeout keeps what was measured before it. A
+    non-zero exit or a timeout appends ``{"bench": name, "error": ...}`` with the same fields.
+    """
+    script = os.path.join(script_dir, f"{name}.py")
+    cmd = [python, script, *args]
+    shown = " ".join(["python", os.path.relpath(script, ROOT), *args])
+    base = {**fields, "command": shown}
+    n = 0
+    with tempfile.TemporaryFile(mode="w+") as err, open(out_path, "a", encoding="utf-8") as out:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
+        deadline = time.monotonic() + timeout_s
+        timed_out = False
+        for raw in _lines_until(proc, deadline):
+            text = raw.strip()
+            if not text.startswith("{"):
+                continue
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+            line.setdefault("bench", name)
+            stamp = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+            out.write(json.dumps({**line, **base, **_load(), "measured_at": stamp}) + "\n")
+            out.flush()
+            n += 1
+        try:
+            rc = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.kill()
+            rc = proc.wait()
+        if timed_out or rc != 0:
+            err.seek(0)
+            tail = [ln for ln in err.read().splitlines() if ln.strip()][-1:] or [""]
+            why = f"timeout after {timeout_s:.0f} s" if timed_out else f"exit {rc}: {tail[0][:300]}"
+            stamp = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+            out.write(
+                json.dumps({"bench": name, "error": why, **base, **_load(), "measured_at": stamp})
+                + "\n"
+            )
+            n += 1
+            sys.stderr.write(f"{name}: {why}\n")
+    return n
+
+
+def _lines_until(proc: subprocess.Popen, deadline: float) -> Iterable[str]:
+    """The child's stdout lines as they arrive, until it closes stdout or ``deadline``
+    (``time.monotonic`` seconds) passes."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            return
+        if line is None:
+            return
+        yield line
+
+
+def with_reps(name: str, args: Sequence[str], reps: int | None) -> list[str]:
+    """``args`` with every repetition flag of script ``name`` set to ``reps`` (None: as is)."""
+    args = list(args)
+    if reps is None:
+        return args
+    for flag in REPS_FLAGS.get(name, ()):
+        if flag in args:
+            args[args.index(flag) + 1] = str(reps)
+        else:
+            args += [flag, str(reps)]
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+def read_results(results_dir: str) -> list[dict[str, Any]]:
+    """Every line of every ``*.jsonl`` in ``results_dir`` (files in name order), each with
+    ``_file`` (the file's base name) added.
+
+    Raises:
+      ValueError: a line that is not a JSON object, or one without ``bench`` or ``machine``.
+    """
+    rows = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "*.jsonl"))):
+        base = os.path.basename(path)
+        with open(path, encoding="utf-8") as f:
+            for i, text in enumerate(f, 1):
+                if not text.strip():
+                    continue
+                try:
+                    row = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{base}:{i}: not JSON ({e})") from e
+                if not isinstance(row, dict) or "bench" not in row or "machine" not in row:
+                    raise ValueError(f"{base}:{i}: a result line needs 'bench' and 'machine'")
+                rows.append({**row, "_file": base})
+    return rows
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return str(value)
+        if value == 0:
+            return "0"
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        return f"{value:.3g}"
+    return str(value).replace("|", "\\|")
+
+
+def _columns(bench: str, rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    if bench in COLUMNS:
+        items = [c.partition("=") for c in COLUMNS[bench].split("; ")]
+        return [(k, h or k) for k, _, h in items]
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if _UNIT.search(k) and k not in keys]
+    return [("variant", "variant")] + [(k, k) for k in keys[:_GENERIC_MAX_COLUMNS]]
+
+
+def _span(values: Iterable[Any]) -> str:
+    vals = sorted({v for v in values if v is not None})
+    if not vals:
+        return "unknown"
+    return _fmt(vals[0]) if len(vals) == 1 else f"{_fmt(vals[0])}-{_fmt(vals[-1])}"
+
+
+def _header(rows: Sequence[Mapping[str, Any]]) -> str:
+    r = rows[0]
+    flags = ", ".join(r.get("cpu_flags") or []) or "none listed"
+    acc = r.get("accelerator") or "unknown"
+    acc = "no accelerator" if acc == "none" else f"{r.get('accelerator_count', '?')} x {acc}"
+    jax_v = _span(x.get("jax_version") for x in rows)
+    date = _span((x.get("measured_at") or "")[:10] or None for x in rows)
+    commits = _span(x.get("git_commit") for x in rows)
+    commands = sorted({x.get("command") for x in rows if x.get("command")})
+    out = [
+        f"**{r['machine']}**, {date}: CPU {r.get('cpu_model', 'unknown')}, "
+        f"{r.get('cpu_cores', '?')} cores (vector extensions: {flags}), {acc}; "
+        f"jax {jax_v}, jaxlib {r.get('jaxlib_version') or 'unknown'}, "
+        f"Python {r.get('python_version', 'unknown')}; commit {commits}; "
+        f"load average (1 min) {_span(x.get('load_avg_1m') for x in rows)} while measuring "
+        f"(`{r['_file']}`).",
+    ]
+    if commands:
+        out.append("Command: " + "; ".join(f"`{c}`" for c in commands) + ".")
+    return " ".join(out)
+
+
+def render_table(bench: str, rows: Sequence[Mapping[str, Any]]) -> str:
+    """One machine's rows of one benchmark as a Markdown table under its header line."""
+    cols = _columns(bench, [r for r in rows if "error" not in r]) + [("load_avg_1m", "load")]
+    lines = [_header(rows), ""]
+    lines.append("| " + " | ".join(h for _, h in cols) + " |")
+    lines.append("|" + "---|" * len(cols))
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| not measured: {_fmt(r['error'])} |" + " |" * (len(cols) - 1))
+        elif "skipped" in r:
+            cells = [_fmt(r.get(k)) for k, _ in cols]
+            cells[-2] = f"skipped: {_fmt(r['skipped'])}"
+            lines.append("| " + " | ".join(cells) + " |")
+        else:
+            lines.append("| " + " | ".join(_fmt(r.get(k)) for k, _ in cols) + " |")
+    return "\n".join(lines)
+
+
+def render_bench(bench: str, rows: Sequence[Mapping[str, Any]]) -> str:
+    """All tables of ``bench``: one per results file (machine and date), newest first."""
+    mine = [r for r in rows if r["bench"] == bench]
+    if not mine:
+        return "No measurements on file yet."
+    by_file: dict[str, list[Mapping[str, Any]]] = {}
+    for r in mine:
+        by_file.setdefault(r["_file"], []).append(r)
+    newest = sorted(by_file, key=lambda f: (f[-16:], f), reverse=True)
+    return "\n\n".join(render_table(bench, by_file[f]) for f in newest)
+
+
+def render_sources(rows: Sequence[Mapping[str, Any]]) -> str:
+    """A list of the result files with their machines and line counts."""
+    files: dict[str, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        files.setdefault(r["_file"], []).append(r)
+    if not files:
+        return "No result files yet."
+    out = []
+    for name in sorted(files):
+        benches = sorted({r["bench"] for r in files[name]})
+        out.append(
+            f"- `benchmarks/results/{name}`: {len(files[name])} lines "
+            f"({', '.join(benches)}), machine `{files[name][0]['machine']}`"
+        )
+    return "\n".join(out)
+
+
+def render_doc(text: str, rows: Sequence[Mapping[str, Any]]) -> tuple[str, list[str]]:
+    """``text`` with every marked block re-rendered from ``rows``.
+
+    Returns:
+      (new text, benchmarks that have rows but no marker in the text).
+    """
+    seen = set()
+
+    def block(m: re.Match) -> str:
+        name = m.group("name")
+        seen.add(name)
+        body = render_sources(rows) if name == "sources" else render_bench(name, rows)
+        return f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->"
+
+    new = _MARKER.sub(block, text)
+    unplaced = sorted({r["bench"] for r in rows} - seen)
+    return new, unplaced
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", action="store_true", help="run the benchmarks first")
+    ap.add_argument("--only", default="", help="comma list of scripts to run (default: SUITE)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions for every script")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per script")
+    ap.add_argument(
+        "--baseline-python", default="", help="a Python with torch + transformers: run baselines"
+    )
+    ap.add_argument("--results-dir", default=RESULTS_DIR)
+    ap.add_argument("--doc", default=DOC)
+    ap.add_argument("--no-render", action="store_true")
+    ap.add_argument("--check", action="store_true", help="exit 1 if --doc is not up to date")
+    a = ap.parse_args(argv)
+    if a.reps is not None and a.reps < 1:
+        raise ValueError(f"--reps={a.reps} must be >= 1")
+    if a.run:
+        suite = dict(SUITE)
+        if a.baseline_python:
+            suite.update(BASELINES)
+        names = [n for n in a.only.split(",") if n] or list(SUITE)
+        unknown = [n for n in names if n not in suite]
+        if unknown:
+            raise ValueError(f"--only names {unknown}; allowed: {', '.join(suite)}")
+        os.makedirs(a.results_dir, exist_ok=True)
+        fields = machine_fields()
+        date = dt.datetime.now(dt.UTC).date().isoformat()
+        path = os.path.join(a.results_dir, f"{fields['machine']}-{date}.jsonl")
+        for name in names:
+            python = a.baseline_python if name in BASELINES else sys.executable
+            n = run_script(
+                name, with_reps(name, suite[name], a.reps), path, fields, python=python,
+                timeout_s=a.timeout,
+            )  # fmt: skip
+            print(json.dumps({"script": name, "lines": n, "file": os.path.relpath(path, ROOT)}))
+    if a.no_render:
+        return 0
+    rows = read_results(a.results_dir)
+    with open(a.doc, encoding="utf-8") as f:
+        text = f.read()
+    new, unplaced = render_doc(text, rows)
+    for bench in unplaced:
+        sys.stderr.write(f"{bench}: results on file but no <!-- results:{bench} --> marker\n")
+    if a.check:
+        return 0 if new == text else 1
+    if new != text:
+        with open(a.doc, "w", encoding="utf-8") as f:
+            f.write(new)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
