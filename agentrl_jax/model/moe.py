@@ -4,9 +4,11 @@ Einsum legend:
   B batch, T time, D model dim, F hidden (expert / mlp) dim, E experts, C expert capacity,
   N tokens (B*T), K experts per token.
 
-Routing: router logits ``x @ W_r`` in ``policy.router`` dtype (fp32 by default, HIGHEST matmul
-precision so no TF32 on GPUs), softmax, probabilities clamped to ``[1e-6, 1]``, top-k
-(ties go to the lower expert index, ``lax.top_k``), the k gates renormalised to sum to one.
+Routing: router logits ``x @ W_r`` (+ an optional bias) in ``policy.router`` dtype (fp32 by
+default, HIGHEST matmul precision so no TF32 on GPUs), softmax, probabilities clamped to
+``[1e-6, 1]``, top-k (ties go to the lower expert index, ``lax.top_k``), the k gates
+renormalised to sum to one; ``model.experts`` has the families' variants (top-k of the logits
+then a softmax over the k; no renormalisation) and their expert activations and biases.
 Routing replay (``replay_routes``) forces the experts; the gates are then the router
 probabilities gathered at the replayed experts and renormalised, so the router still gets
 gradients through them.
@@ -40,9 +42,15 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.experts import (  # noqa: F401 - route and the references re-exported
+    PROB_MIN,
+    expert_activation,
+    mlp_reference,
+    moe_reference,
+    route,
+)
 from agentrl_jax.precision import DTypePolicy
 
-PROB_MIN = 1e-6
 TOKEN_AXES = ("data", "fsdp", "expert")  # mesh axes tokens are split over inside the dispatch
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -95,31 +103,6 @@ class MLP(nn.Module):
         return pol.einsum("BTF,FD->BTD", h, w_down)
 
 
-def route(
-    logits: jax.Array, k: int, replay_routes: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Router probabilities, top-k experts and renormalised gates.
-
-    Args:
-      logits: [..., E] router logits (their dtype is kept).
-      k: experts per token.
-      replay_routes: optional int [..., k] experts to use instead of the top-k (routing replay).
-        Indices must lie in [0, E); out-of-range indices give NaN gates.
-
-    Returns:
-      probs [..., E] softmax clamped to [1e-6, 1]; routes int32 [..., k] (descending
-      probability, ties to the lower index); gates [..., k] summing to one.
-    """
-    probs = jnp.clip(jax.nn.softmax(logits, axis=-1), PROB_MIN, 1.0)
-    if replay_routes is None:
-        top, routes = jax.lax.top_k(probs, k)
-    else:
-        routes = replay_routes
-        top = jnp.take_along_axis(probs, routes, axis=-1, mode="fill", fill_value=jnp.nan)
-    gates = top / jnp.sum(top, axis=-1, keepdims=True)
-    return probs, routes.astype(jnp.int32), gates
-
-
 def load_balance_loss(
     probs: jax.Array, routes: jax.Array, valid: jax.Array, n_experts: int
 ) -> jax.Array:
@@ -148,13 +131,23 @@ def load_balance_loss(
     return n_experts * jnp.sum(frac * mean_prob)
 
 
-def _expert_ffn(buf, w_gate, w_up, w_down, policy, tensor_axis):
-    """SwiGLU per expert on ``buf [E, C, D]``; partial sums over a split F are psum-ed."""
-    h = nn.silu(_expert_einsum(policy, "ECD,EDF->ECF", buf, w_gate))
-    h = h * _expert_einsum(policy, "ECD,EDF->ECF", buf, w_up)
+def _expert_ffn(buf, w_gate, w_up, w_down, policy, tensor_axis, cfg, biases=()):
+    """Gated FFN per expert on ``buf [E, C, D]``; partial sums over a split F are psum-ed.
+
+    ``biases``: () or ``(b_gate [E, F], b_up [E, F], b_down [E, D])`` (b_down added once,
+    after the psum).
+    """
+    g = _expert_einsum(policy, "ECD,EDF->ECF", buf, w_gate)
+    u = _expert_einsum(policy, "ECD,EDF->ECF", buf, w_up)
+    if biases:
+        g = g + biases[0][:, None, :].astype(g.dtype)
+        u = u + biases[1][:, None, :].astype(u.dtype)
+    h = expert_activation(g, u, cfg)
     out = _expert_einsum(policy, "ECF,EFD->ECD", h, w_down)
     if tensor_axis is not None:
         out = jax.lax.psum(out.astype(policy.accum), tensor_axis).astype(policy.compute)
+    if biases:
+        out = out + biases[2][:, None, :].astype(out.dtype)
     return out
 
 
@@ -166,9 +159,10 @@ def dispatch_combine(
     w_gate,
     w_up,
     w_down,
-    *,
+    *biases,
     capacity,
     policy,
+    cfg,
     expert_axis=None,
     tensor_axis=None,
 ):
@@ -179,6 +173,7 @@ def dispatch_combine(
       w_gate, w_up: [E_local, D, F_local]; w_down: [E_local, F_local, D].
       capacity: C, rows per expert from this shard.
       policy: dtype policy.
+      cfg: model config (the expert activation).
       expert_axis: mesh axis experts are split over (None: all experts local).
       tensor_axis: mesh axis F is split over (None: F local).
 
@@ -205,7 +200,7 @@ def dispatch_combine(
     buf = x_pad[src].reshape(n_exp, cap, d)
     if expert_axis is not None:  # [E, C, D] -> [E_local, shards*C, D]
         buf = jax.lax.all_to_all(buf, expert_axis, 0, 1, tiled=True)
-    out = _expert_ffn(buf, w_gate, w_up, w_down, policy, tensor_axis)
+    out = _expert_ffn(buf, w_gate, w_up, w_down, policy, tensor_axis, cfg, biases)
     if expert_axis is not None:  # back to [E, C, D] for this shard's tokens
         out = jax.lax.all_to_all(out, expert_axis, 1, 0, tiled=True)
     out = jnp.concatenate([out.reshape(n_exp * cap, d), jnp.zeros((1, d), out.dtype)], axis=0)
@@ -309,6 +304,17 @@ class MoE(nn.Module):
         w_down = self.param(
             "w_down", _init(std_out, ("expert", "expert_mlp", "embed")), (e, f, dm), pol.param
         )
+        biases = ()
+        if cfg.expert_bias:
+            zeros = nn.initializers.zeros_init()
+            biases = tuple(
+                self.param(name, nn.with_logical_partitioning(zeros, axes), shape, pol.param)
+                for name, axes, shape in (
+                    ("b_gate", ("expert", "expert_mlp"), (e, f)),
+                    ("b_up", ("expert", "expert_mlp"), (e, f)),
+                    ("b_down", ("expert", "embed"), (e, dm)),
+                )
+            )
 
         n = b * t
         xf = x.reshape(n, dm)
@@ -320,10 +326,13 @@ class MoE(nn.Module):
             precision=_HIGHEST,
             preferred_element_type=pol.router,
         )
+        if cfg.router_bias:
+            r_bias = self.param("router_bias", _init(cfg.init_std, (None,)), (e,), pol.param)
+            logits = logits + r_bias.astype(pol.router)
         replay = None
         if replay_routes is not None:  # padding rows may hold anything (e.g. -1): neutralise them
             replay = jnp.where(vf[:, None], replay_routes.reshape(n, k), jnp.arange(k))
-        probs, routes, gates = route(logits, k, replay)
+        probs, routes, gates = route(logits, k, replay, mode=cfg.routing, renorm=cfg.route_renorm)
 
         cap = cfg.capacity(n // n_token_shards)
         if ep:
@@ -331,7 +340,7 @@ class MoE(nn.Module):
             fax = "tensor" if tp else None
             fn = jax.shard_map(
                 lambda *a: dispatch_combine(
-                    *a, capacity=cap, policy=pol, expert_axis="expert", tensor_axis=fax
+                    *a, capacity=cap, policy=pol, cfg=cfg, expert_axis="expert", tensor_axis=fax
                 ),
                 mesh=mesh,
                 in_specs=(
@@ -342,10 +351,11 @@ class MoE(nn.Module):
                     P("expert", None, fax),
                     P("expert", None, fax),
                     P("expert", fax, None),
+                    *((P("expert", fax), P("expert", fax), P("expert", None)) if biases else ()),
                 ),
                 out_specs=(ex, ex),
             )
-            y, keep = fn(xf.astype(pol.compute), routes, gates, vf, w_gate, w_up, w_down)
+            y, keep = fn(xf.astype(pol.compute), routes, gates, vf, w_gate, w_up, w_down, *biases)
         else:
             y, keep = dispatch_combine(
                 xf.astype(pol.compute),
@@ -355,8 +365,10 @@ class MoE(nn.Module):
                 w_gate,
                 w_up,
                 w_down,
+                *biases,
                 capacity=cap,
                 policy=pol,
+                cfg=cfg,
             )
         y = y.reshape(b, t, dm)
 
@@ -391,53 +403,3 @@ class MoE(nn.Module):
         if replay_routes is not None:  # hand back exactly what was replayed, padding included
             return y, replay_routes.astype(jnp.int32), aux
         return y, routes.reshape(b, t, k), aux
-
-
-def moe_reference(params, x, cfg: ModelConfig, *, valid=None, replay_routes=None, keep=None):
-    """Dense pure-jnp MoE in float32 (every expert on every token), for tests.
-
-    Args:
-      params: the MoE's params dict (unboxed).
-      x: [B, T, D]. valid: unused for outputs except that invalid rows get no routed output.
-      replay_routes: optional int [B, T, K]. keep: optional bool [B, T, K] mask of kept pairs
-        (default: all kept, i.e. dropless).
-
-    Returns:
-      y [B, T, D] float32, routes int32 [B, T, K].
-    """
-    hi = _HIGHEST
-    x = x.astype(jnp.float32)
-    logits = jnp.einsum("BTD,DE->BTE", x, params["router"].astype(jnp.float32), precision=hi)
-    probs = jnp.clip(jnp.exp(logits - jax.nn.logsumexp(logits, -1, keepdims=True)), PROB_MIN, 1.0)
-    k = cfg.experts_per_token
-    routes = (
-        jnp.argsort(-probs, axis=-1, stable=True)[..., :k]
-        if replay_routes is None
-        else replay_routes
-    )
-    top = jnp.take_along_axis(probs, routes, axis=-1)
-    gates = top / jnp.sum(top, -1, keepdims=True)
-    if keep is not None:
-        gates = gates * keep
-    if valid is not None:
-        gates = gates * valid[..., None]
-    y = jnp.zeros_like(x)
-    for ex in range(cfg.n_experts):
-        g = jnp.einsum("BTD,DF->BTF", x, params["w_gate"][ex], precision=hi)
-        u = jnp.einsum("BTD,DF->BTF", x, params["w_up"][ex], precision=hi)
-        o = jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, params["w_down"][ex], precision=hi)
-        y = y + jnp.sum(gates * (routes == ex), -1)[..., None] * o
-    if cfg.n_shared_experts:
-        g = jnp.einsum("BTD,DF->BTF", x, params["shared_gate"], precision=hi)
-        u = jnp.einsum("BTD,DF->BTF", x, params["shared_up"], precision=hi)
-        y = y + jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, params["shared_down"], precision=hi)
-    return y, routes.astype(jnp.int32)
-
-
-def mlp_reference(params, x):
-    """Dense SwiGLU in float32 for tests: ``(silu(x Wg) * x Wu) Wd``."""
-    hi = _HIGHEST
-    x = x.astype(jnp.float32)
-    g = jnp.einsum("BTD,DF->BTF", x, params["w_gate"], precision=hi)
-    u = jnp.einsum("BTD,DF->BTF", x, params["w_up"], precision=hi)
-    return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, params["w_down"], precision=hi)
