@@ -88,3 +88,113 @@ def make_tiny_hf(family: str, path: str, *, seed: int = 0, **overrides: Any):
     model.eval()
     model.save_pretrained(path)
     return model
+
+
+# Chat templates of the tiny tokenizers. Real checkpoints carry their own; these render the
+# families' formats (ChatML with Qwen-style <tool_call> blocks; harmony) in the same structure.
+CHATML_TEMPLATE = r"""
+{%- if messages and messages[0].role == 'system' %}
+{%- set system = messages[0].content %}{%- set rest = messages[1:] %}
+{%- else %}{%- set system = '' %}{%- set rest = messages %}{%- endif %}
+{%- if system or tools %}
+{{- '<|im_start|>system\n' + system }}
+{%- if tools %}
+{{- '\n\n# Tools\n\nFunction signatures:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\n\nCall one function per turn in <tool_call></tool_call> tags.' }}
+{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in rest %}
+{%- if message.role == 'tool' %}
+{%- if loop.first or rest[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or rest[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\n' + (message.content or '') }}
+{%- for call in message.tool_calls or [] %}
+{%- if message.content or not loop.first %}{{- '\n' }}{%- endif %}
+{{- '<tool_call>\n{"name": ' + (call.function.name | tojson) + ', "arguments": ' }}
+{{- (call.function.arguments | tojson) + '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+""".strip()
+
+HARMONY_TEMPLATE = r"""
+{%- if messages and messages[0].role == 'system' %}
+{%- set system = messages[0].content %}{%- set rest = messages[1:] %}
+{%- else %}{%- set system = '' %}{%- set rest = messages %}{%- endif %}
+{{- '<|start|>system<|message|>Valid channels: analysis, commentary, final.<|end|>' }}
+{%- if system or tools %}
+{{- '<|start|>developer<|message|># Instructions\n\n' + system }}
+{%- if tools %}
+{{- '\n\n# Tools\n\n## functions\n\nnamespace functions {\n' }}
+{%- for tool in tools %}
+{{- '\n// ' + tool.function.description + '\ntype ' + tool.function.name + ' = (_: ' }}
+{{- (tool.function.parameters | tojson) + ') => any;\n' }}
+{%- endfor %}
+{{- '\n} // namespace functions' }}
+{%- endif %}
+{{- '<|end|>' }}
+{%- endif %}
+{%- for message in rest %}
+{%- if message.role == 'tool' %}
+{{- '<|start|>functions.' + message.name + ' to=assistant<|channel|>commentary<|message|>' }}
+{{- (message.content | tojson) + '<|end|>' }}
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{%- set call = message.tool_calls[0].function %}
+{{- '<|start|>assistant<|channel|>commentary to=functions.' + call.name + ' <|constrain|>json' }}
+{{- '<|message|>' + (call.arguments | tojson) + '<|call|>' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|start|>assistant' + message.content + '<|end|>' }}
+{%- else %}
+{{- '<|start|>' + message.role + '<|message|>' + message.content + '<|end|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}
+""".strip()
+
+
+def make_tiny_tokenizer(path: str, family: str, texts, *, vocab_size: int = 512) -> None:
+    """Trains a byte-level BPE on ``texts`` with the family's special tokens and writes
+    ``tokenizer.json``, ``tokenizer_config.json`` (with the chat template) into ``path``.
+
+    The result loads with ``hf.load_tokenizer`` and with ``transformers.AutoTokenizer``.
+    """
+    import json
+    import os
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from agentrl_jax.hf.tool_calls import FORMATS
+
+    fmt = FORMATS[family]()
+    specials = list(dict.fromkeys([*fmt.special_tokens.values(), *fmt.extra_tokens]))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    template = HARMONY_TEMPLATE if fmt.name == "harmony" else CHATML_TEMPLATE
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": template,
+        "eos_token": fmt.special_tokens["eos"],
+        "pad_token": fmt.special_tokens["pad"],
+        "bos_token": None,
+        "model_max_length": 4096,
+    }
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
