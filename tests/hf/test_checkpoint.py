@@ -183,3 +183,30 @@ def test_family_config_roundtrip(hf_models, family):
     assert fam.name == family
     cfg = fam.model_config(hf)
     assert fam.model_config(hf_config_json(family, cfg)) == cfg
+
+
+def test_convert_then_export_roundtrip(hf_models, tmp_path):
+    """``agentrl convert`` writes a run directory the trainer restores (``train.init_from``)
+    and whose experiment loads with the HF model config; ``agentrl export`` of it writes the
+    source tensors back byte for byte."""
+    from agentrl_jax.cli import main
+    from agentrl_jax.config import load_config
+    from agentrl_jax.model.transformer import Transformer, init_params
+    from agentrl_jax.precision import get_policy
+    from agentrl_jax.train.rl_loop import initial_params
+
+    src = hf_models["gpt_oss"][0]
+    run, out = str(tmp_path / "run"), str(tmp_path / "out")
+    assert main(["convert", src, run]) == 0
+    cfg, params = load_pretrained(src)
+    template = init_params(Transformer(cfg, get_policy("fp32")), jax.random.key(0))
+    restored = initial_params(run, template)
+    jax.tree.map(np.testing.assert_array_equal, restored, params)
+    exp = load_config(os.path.join(run, "experiment.py"))
+    assert exp.train.init_from == run and not exp.train.sft
+    assert exp.model.attn_sinks and exp.model.layer_pattern == cfg.layer_pattern
+    assert main(["export", run, out]) == 0
+    before, after = _tensors(src), _tensors(out)
+    assert sorted(before) == sorted(after)
+    assert all(after[k].tobytes() == v.tobytes() for k, v in before.items())
+    assert main(["convert", src, run]) == 2  # refuses a run directory holding checkpoints
