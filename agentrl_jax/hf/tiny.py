@@ -57,6 +57,7 @@ def tiny_hf_config(family: str, *, vocab_size: int = 256, **overrides: Any):
         }
         kw = dict(
             common,
+            max_position_embeddings=64 * 32,  # YaRN's original context times its factor
             intermediate_size=32,
             num_local_experts=4,
             num_experts_per_tok=2,
