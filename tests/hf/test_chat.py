@@ -248,3 +248,39 @@ def test_bad_calls_become_error_observations(tokenizers, text, error):
     obs, res = env.step(tok.encode(QwenToolCalls().render_call("run", {})))
     assert not res.log["error"] and "pass" in tok.decode(obs)
     assert np.all(np.asarray(obs) < tok.vocab_size)
+
+
+def test_agent_loop_plays_chat_env_unchanged(tokenizers):
+    """A tiny Qwen3 (vocabulary of the BPE) plays code repair through ChatEnv in the existing
+    agent loop; every observation in the trajectory is what ChatEnv answers to the sampled turn
+    before it, tokenised on its own (replayed here turn by turn), after the prompt ids."""
+    import jax
+
+    from agentrl_jax.hf import load_pretrained
+    from agentrl_jax.hf.tiny import make_tiny_hf
+    from agentrl_jax.model.transformer import Transformer
+    from agentrl_jax.precision import get_policy
+    from agentrl_jax.rollout.agent_loop import run_episodes
+    from agentrl_jax.rollout.sampler import SamplingConfig
+
+    path, tok = tokenizers["qwen"]
+    make_tiny_hf("qwen3", path, vocab_size=tok.vocab_size, num_hidden_layers=2)
+    cfg, params = load_pretrained(path)
+    traj = run_episodes(
+        Transformer(cfg, get_policy("fp32")), params, TASKS[:2],
+        lambda: ChatEnv(CodeRepairEnv(), tok), tok,
+        SamplingConfig(max_new_tokens=12, max_len=1024, page_size=16), jax.random.key(0),
+        max_turns=2,
+    )  # fmt: skip
+    for row, task in enumerate(TASKS[:2]):
+        tokens = np.asarray(traj.tokens[row])
+        mask, turns = np.asarray(traj.action_mask[row]), np.asarray(traj.turn_ids[row])
+        env = ChatEnv(CodeRepairEnv(), tok)
+        prompt = env.reset(task)
+        assert tokens[: len(prompt)].tolist() == prompt and not mask[: len(prompt)].any()
+        for k in (1, 2):
+            action = tokens[(turns == k) & mask].tolist()
+            observed = tokens[(turns == k) & ~mask].tolist()
+            assert action, "the model sampled a turn"
+            obs, _ = env.step(action)
+            assert observed == obs[: len(observed)] and (k == 2 or observed == obs)
