@@ -30,6 +30,12 @@ one contiguous virtual sequence). Not used with ``meta['keep']`` (eviction) or a
 accumulator (the kernel returns no probabilities); the numbers equal the chunk path's up to
 float reduction order (not bitwise, hence never under parity policies).
 
+Pretrained-family options (``ModelConfig``): q/k/v/o biases (``attn_bias``), RMSNorm of q and
+k over ``head_dim`` before RoPE (``qk_norm``), RoPE scalings (``model.rope``), ``S`` layers
+without their output gate (``window_gate=False``: plain sliding window, gpt-oss) and learned
+attention sinks (``attn_sinks``): sink layers attend through ``model.sinks`` (XLA) on every
+path, teacher-forced included, and never through the kernels, which have no sink term.
+
 Sparse-attention block scorer (``select_blocks``): each key block is summarised by the mean of
 its (RoPE-rotated) keys; a query's GQA group scores block j with the group-mean query dotted
 with that mean key (MoBA-style mean pooling: no extra parameters, one [T, J] product per KV

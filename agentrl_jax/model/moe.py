@@ -264,7 +264,7 @@ class MoE(nn.Module):
           ValueError: ``cfg.n_experts == 0``, or a shape that does not match the config / mesh.
         """
         cfg, pol = self.cfg, self.policy
-        e, k, dm, f = cfg.n_experts, cfg.experts_per_token, cfg.d_model, cfg.d_expert
+        e, k, dm = cfg.n_experts, cfg.experts_per_token, cfg.d_model
         if e == 0:
             raise ValueError("MoE needs ModelConfig.n_experts >= 1 (use MLP when it is 0)")
         if x.ndim != 3 or x.shape[-1] != dm:
@@ -274,25 +274,95 @@ class MoE(nn.Module):
             raise ValueError(f"MoE valid.shape={valid.shape} must be {(b, t)}")
         if replay_routes is not None and replay_routes.shape != (b, t, k):
             raise ValueError(f"MoE replay_routes.shape={replay_routes.shape} must be {(b, t, k)}")
+        mesh, token_axes, tp = self._layout(b * t)
+        w_router, w_gate, w_up, w_down, biases = self._expert_params()
+        n = b * t
+        xf = x.reshape(n, dm)
+        vf = jnp.ones((n,), bool) if valid is None else valid.reshape(n).astype(bool)
+        logits = jnp.einsum(
+            "ND,DE->NE",
+            xf.astype(pol.router),
+            w_router.astype(pol.router),
+            precision=_HIGHEST,
+            preferred_element_type=pol.router,
+        )
+        if cfg.router_bias:
+            r_bias = self.param("router_bias", _init(cfg.init_std, (None,)), (e,), pol.param)
+            logits = logits + r_bias.astype(pol.router)
+        replay = None
+        if replay_routes is not None:  # padding rows may hold anything (e.g. -1): neutralise them
+            replay = jnp.where(vf[:, None], replay_routes.reshape(n, k), jnp.arange(k))
+        probs, routes, gates = route(logits, k, replay, mode=cfg.routing, renorm=cfg.route_renorm)
+        weights = (w_gate, w_up, w_down, *biases)
+        if mesh is not None:
+            n_shards = int(np.prod([dict(mesh.shape)[a] for a in token_axes]))
+            cap = cfg.capacity(n // n_shards)
+            tok, ex = P(token_axes), P(token_axes, None)
+            fax = "tensor" if tp else None
+            fn = jax.shard_map(
+                lambda *a: dispatch_combine(
+                    *a, capacity=cap, policy=pol, cfg=cfg, expert_axis="expert", tensor_axis=fax
+                ),
+                mesh=mesh,
+                in_specs=(
+                    ex,
+                    ex,
+                    ex,
+                    tok,
+                    P("expert", None, fax),
+                    P("expert", None, fax),
+                    P("expert", fax, None),
+                    *((P("expert", fax), P("expert", fax), P("expert", None)) if biases else ()),
+                ),
+                out_specs=(ex, ex),
+            )
+            y, keep = fn(xf.astype(pol.compute), routes, gates, vf, *weights)
+        else:
+            y, keep = dispatch_combine(
+                xf.astype(pol.compute), routes, gates, vf, *weights,
+                capacity=cfg.capacity(n), policy=pol, cfg=cfg,
+            )  # fmt: skip
+        y = self._shared_experts(x, y.reshape(b, t, dm))
+        aux = self._aux(probs, routes, logits, keep, vf)
+        if replay_routes is not None:  # hand back exactly what was replayed, padding included
+            return y, replay_routes.astype(jnp.int32), aux
+        return y, routes.reshape(b, t, k), aux
+
+    def _layout(self, n_tokens: int):
+        """``(mesh or None, token axes, tensor-parallel experts)`` of the expert dispatch.
+
+        Raises ValueError when the experts, tokens or expert width do not divide the mesh.
+        """
+        cfg = self.cfg
         mesh = self.mesh if self.mesh is not None else _ambient_mesh()
         sizes = dict(mesh.shape) if mesh is not None else {}
-        ep = sizes.get("expert", 1) > 1
-        token_axes = tuple(a for a in TOKEN_AXES if a in sizes) if ep else ()
-        n_token_shards = int(np.prod([sizes[a] for a in token_axes])) if ep else 1
-        if ep and e % sizes["expert"]:
+        if sizes.get("expert", 1) <= 1:
+            return None, (), False
+        token_axes = tuple(a for a in TOKEN_AXES if a in sizes)
+        n_token_shards = int(np.prod([sizes[a] for a in token_axes]))
+        if cfg.n_experts % sizes["expert"]:
             raise ValueError(
-                f"ModelConfig.n_experts={e} must be a multiple of mesh expert={sizes['expert']}"
+                f"ModelConfig.n_experts={cfg.n_experts} must be a multiple of mesh "
+                f"expert={sizes['expert']}"
             )
-        if (b * t) % n_token_shards:
+        if n_tokens % n_token_shards:
             raise ValueError(
-                f"MoE tokens B*T={b * t} must be a multiple of {n_token_shards} (mesh {token_axes})"
+                f"MoE tokens B*T={n_tokens} must be a multiple of {n_token_shards} "
+                f"(mesh {token_axes})"
             )
-        tp = ep and sizes.get("tensor", 1) > 1
-        if tp and f % sizes["tensor"]:
+        tp = sizes.get("tensor", 1) > 1
+        if tp and cfg.d_expert % sizes["tensor"]:
             raise ValueError(
-                f"ModelConfig.d_expert={f} must be a multiple of mesh tensor={sizes['tensor']}"
+                f"ModelConfig.d_expert={cfg.d_expert} must be a multiple of mesh "
+                f"tensor={sizes['tensor']}"
             )
+        return mesh, token_axes, tp
 
+    def _expert_params(self):
+        """Router ``[D, E]``, expert weights ``[E, D, F]`` x2 / ``[E, F, D]`` and the expert
+        biases (``()`` or ``[E, F]`` x2, ``[E, D]``)."""
+        cfg, pol = self.cfg, self.policy
+        e, dm, f = cfg.n_experts, cfg.d_model, cfg.d_expert
         std_out = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         w_router = self.param("router", _init(cfg.init_std, ("embed", None)), (dm, e), pol.param)
         w_gate = self.param(
@@ -315,91 +385,38 @@ class MoE(nn.Module):
                     ("b_down", ("expert", "embed"), (e, dm)),
                 )
             )
+        return w_router, w_gate, w_up, w_down, biases
 
-        n = b * t
-        xf = x.reshape(n, dm)
-        vf = jnp.ones((n,), bool) if valid is None else valid.reshape(n).astype(bool)
-        logits = jnp.einsum(
-            "ND,DE->NE",
-            xf.astype(pol.router),
-            w_router.astype(pol.router),
-            precision=_HIGHEST,
-            preferred_element_type=pol.router,
+    def _shared_experts(self, x, y):
+        """``y`` plus the always-on shared experts' SwiGLU of ``x`` (both [B, T, D])."""
+        cfg, pol = self.cfg, self.policy
+        if not cfg.n_shared_experts:
+            return y
+        dm, fs = cfg.d_model, cfg.n_shared_experts * cfg.d_expert
+        std_out = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        s_gate = self.param(
+            "shared_gate", _init(cfg.init_std, ("embed", "mlp")), (dm, fs), pol.param
         )
-        if cfg.router_bias:
-            r_bias = self.param("router_bias", _init(cfg.init_std, (None,)), (e,), pol.param)
-            logits = logits + r_bias.astype(pol.router)
-        replay = None
-        if replay_routes is not None:  # padding rows may hold anything (e.g. -1): neutralise them
-            replay = jnp.where(vf[:, None], replay_routes.reshape(n, k), jnp.arange(k))
-        probs, routes, gates = route(logits, k, replay, mode=cfg.routing, renorm=cfg.route_renorm)
+        s_up = self.param("shared_up", _init(cfg.init_std, ("embed", "mlp")), (dm, fs), pol.param)
+        s_down = self.param("shared_down", _init(std_out, ("mlp", "embed")), (fs, dm), pol.param)
+        xc = x.astype(pol.compute)
+        h = nn.silu(pol.einsum("BTD,DF->BTF", xc, s_gate)) * pol.einsum("BTD,DF->BTF", xc, s_up)
+        out = y.astype(pol.accum) + pol.einsum("BTF,FD->BTD", h, s_down).astype(pol.accum)
+        return out.astype(pol.compute)
 
-        cap = cfg.capacity(n // n_token_shards)
-        if ep:
-            tok, ex = P(token_axes), P(token_axes, None)
-            fax = "tensor" if tp else None
-            fn = jax.shard_map(
-                lambda *a: dispatch_combine(
-                    *a, capacity=cap, policy=pol, cfg=cfg, expert_axis="expert", tensor_axis=fax
-                ),
-                mesh=mesh,
-                in_specs=(
-                    ex,
-                    ex,
-                    ex,
-                    tok,
-                    P("expert", None, fax),
-                    P("expert", None, fax),
-                    P("expert", fax, None),
-                    *((P("expert", fax), P("expert", fax), P("expert", None)) if biases else ()),
-                ),
-                out_specs=(ex, ex),
-            )
-            y, keep = fn(xf.astype(pol.compute), routes, gates, vf, w_gate, w_up, w_down, *biases)
-        else:
-            y, keep = dispatch_combine(
-                xf.astype(pol.compute),
-                routes,
-                gates,
-                vf,
-                w_gate,
-                w_up,
-                w_down,
-                *biases,
-                capacity=cap,
-                policy=pol,
-                cfg=cfg,
-            )
-        y = y.reshape(b, t, dm)
-
-        if cfg.n_shared_experts:
-            fs = cfg.n_shared_experts * f
-            s_gate = self.param(
-                "shared_gate", _init(cfg.init_std, ("embed", "mlp")), (dm, fs), pol.param
-            )
-            s_up = self.param(
-                "shared_up", _init(cfg.init_std, ("embed", "mlp")), (dm, fs), pol.param
-            )
-            s_down = self.param(
-                "shared_down", _init(std_out, ("mlp", "embed")), (fs, dm), pol.param
-            )
-            xc = x.astype(pol.compute)
-            h = nn.silu(pol.einsum("BTD,DF->BTF", xc, s_gate)) * pol.einsum("BTD,DF->BTF", xc, s_up)
-            y = (
-                y.astype(pol.accum) + pol.einsum("BTF,FD->BTD", h, s_down).astype(pol.accum)
-            ).astype(pol.compute)
-
+    def _aux(self, probs, routes, logits, keep, vf):
+        """Load-balance and z losses (over valid tokens), their weighted sum, dropped share."""
+        cfg = self.cfg
         m = vf.astype(jnp.float32)
         n_valid = jnp.maximum(jnp.sum(m), 1.0)
-        lb = load_balance_loss(probs, routes, vf, e)
+        lb = load_balance_loss(probs, routes, vf, cfg.n_experts)
         z = jnp.sum(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2 * m) / n_valid
-        dropped = jnp.sum((1.0 - keep.astype(jnp.float32)) * m[:, None]) / (n_valid * k)
-        aux = {
+        dropped = jnp.sum((1.0 - keep.astype(jnp.float32)) * m[:, None]) / (
+            n_valid * cfg.experts_per_token
+        )
+        return {
             "load_balance_loss": lb,
             "z_loss": z,
             "aux_loss": cfg.router_aux_weight * lb + cfg.router_z_weight * z,
             "dropped_fraction": dropped,
         }
-        if replay_routes is not None:  # hand back exactly what was replayed, padding included
-            return y, replay_routes.astype(jnp.int32), aux
-        return y, routes.reshape(b, t, k), aux
