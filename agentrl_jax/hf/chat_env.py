@@ -9,13 +9,15 @@ schemas and the first user message with the family's chat template plus the gene
 follows the assistant turn (the tool-response turn, then the next generation prompt), tokenised
 on its own.
 
+A turn without a well-formed call is answered as a user message naming the problem.
+
 Token in, token out: the model's action ids are never re-tokenised; only observation text is
-encoded, and it starts right after the end-of-turn token of the assistant message (for ChatML
-the ``\\n`` after ``<|im_end|>``, for harmony everything after ``<|call|>``). A turn that stopped
-before its end-of-turn token (e.g. at ``</tool_call>`` or on the token budget) gets that token at
-the head of the observation, so every turn is closed exactly once. Each observation is cut from
-the template's rendering of the whole conversation so far, so separators between turns are the
-template's own; every cut falls next to a special token, where no BPE merge can cross.
+encoded. It starts right after the end marker of the assistant turn (for ChatML the ``\n``
+after ``<|im_end|>``, for harmony everything after ``<|call|>``). A turn that stopped before its
+end marker (at ``</tool_call>``, or on the token budget) gets the format's closing token at the
+head of the observation, so every turn is closed exactly once. The observation is cut from the
+template's rendering of the whole conversation so far, so separators between turns are the
+template's own, and every cut falls next to a special token, where no BPE merge can cross.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from agentrl_jax.envs.base import StepResult, TextEnv
 from agentrl_jax.envs.coderepair.text import call_from_words
 from agentrl_jax.hf.tokenizer import HFTokenizer
 from agentrl_jax.hf.tool_calls import HarmonyToolCalls, QwenToolCalls, check_call
+
+_SENTINEL = "REPLY0x5f3759df"  # stands for a reply's content while the cut is located
 
 
 def _assistant_message(call_name: str | None, arguments: dict | None, text: str) -> dict:
@@ -99,18 +103,27 @@ class ChatEnv:
         """Template text after the assistant turn's end marker: the separator that follows
         it, ``reply`` and, unless the episode is over, the next generation prompt.
 
+        The cut is found on a rendering whose reply content is a sentinel: the last end marker
+        before the sentinel closes the assistant turn. Only the text after it is used, so a
+        template that renders earlier turns differently once a turn follows them (Qwen3 drops
+        the thinking block of all but the last assistant turn) still gives the right suffix.
+
         Raises:
-          ValueError: the template renders the shorter conversation other than as a prefix
-            of the longer one (not incremental: token in, token out is then impossible).
+          ValueError: the template renders no end marker before the reply, or the reply
+            changes the text before it.
         """
         tok, markers = self.tokenizer, self.fmt.end_markers
-        before = tok.render([*self.messages, assistant], self.tools)
-        self.messages += [assistant, reply]
-        after = tok.render(self.messages, self.tools, add_generation_prompt=not done)
-        ends = [before.rindex(m) + len(m) for m in markers if m in before]
-        if not after.startswith(before) or not ends:
-            raise ValueError("chat template is not incremental: a turn changes earlier text")
-        return after[max(ends) :]
+        msgs, gen = [*self.messages, assistant], not done
+        probe = tok.render([*msgs, {**reply, "content": _SENTINEL}], self.tools, gen)
+        head = probe[: probe.index(_SENTINEL)]
+        ends = [head.rindex(m) + len(m) for m in markers if m in head]
+        if not ends:
+            raise ValueError(f"chat template renders none of {markers} before a reply")
+        full = tok.render([*msgs, reply], self.tools, gen)
+        if full[: max(ends)] != probe[: max(ends)]:
+            raise ValueError("chat template renders text before a reply that depends on it")
+        self.messages = [*msgs, reply]
+        return full[max(ends) :]
 
 
 class ChatExpertPolicy:

@@ -284,3 +284,27 @@ def test_agent_loop_plays_chat_env_unchanged(tokenizers):
             assert action, "the model sampled a turn"
             obs, _ = env.step(action)
             assert observed == obs[: len(observed)] and (k == 2 or observed == obs)
+
+
+def test_template_that_rewrites_earlier_turns(tokenizers):
+    """Qwen3's template renders a thinking block in the last assistant turn only: a turn's
+    text changes once a reply follows it. ChatEnv still cuts each observation after the turn's
+    end marker (never re-rendering what the model produced)."""
+    from agentrl_jax.hf.tiny import CHATML_TEMPLATE
+    from agentrl_jax.hf.tokenizer import HFTokenizer
+
+    _, tok = tokenizers["qwen"]
+    old = "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+    new = (
+        "{{- '<|im_start|>assistant\\n' }}{%- if loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+        "{%- endif %}{{- message.content or '' }}"
+    )
+    assert old in CHATML_TEMPLATE
+    thinking = HFTokenizer(tok.tokenizer, CHATML_TEMPLATE.replace(old, new), QwenToolCalls())
+    env = ChatEnv(CodeRepairEnv(), thinking)
+    env.reset(TASKS[0])
+    for name, args in ChatExpertPolicy(ExpertPolicy(TASKS[0]), thinking).calls[:3]:
+        obs, res = env.step(thinking.encode(QwenToolCalls().render_call(name, args)))
+        text = thinking.decode(obs)
+        assert text.startswith("\n<|im_start|>user\n<tool_response>\n") and not res.log["error"]
+        assert text.endswith("<|im_start|>assistant\n") and "<think>" not in text
