@@ -1,4 +1,5 @@
-"""The ``agentrl`` console script: ``train | eval | sweep | plan | bench | report``.
+"""The ``agentrl`` console script: ``train | eval | sweep | plan | bench | report | convert |
+export``.
 
 Each subcommand lazily imports its implementation and calls ``run_from_cli(args)`` with the
 parsed ``argparse.Namespace``, so a missing piece only disables its own subcommand::
@@ -9,6 +10,8 @@ parsed ``argparse.Namespace``, so a missing piece only disables its own subcomma
     agentrl plan experiments/seed_moe_100l.py --devices 256
     agentrl bench rollout -- --fast      (runs benchmarks/rollout.py with this Python)
     agentrl report runs/default-20250101-120000
+    agentrl convert path/to/Qwen3-0.6B runs/qwen3      (an HF directory -> a run directory)
+    agentrl export runs/qwen3 path/to/exported         (a checkpoint -> an HF directory)
 
 Exit codes: what ``run_from_cli`` returns (``None`` -> 0); 2 for usage errors, a subcommand that
 is not available yet, and ``ValueError`` (bad config / input: one line on stderr, no traceback;
@@ -35,6 +38,8 @@ COMMANDS: dict[str, str] = {
     "sweep": "agentrl_jax.train.sweep",
     "plan": "agentrl_jax.model.plan",
     "report": "agentrl_jax.report",
+    "convert": "agentrl_jax.hf.convert",
+    "export": "agentrl_jax.hf.convert",
 }
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -134,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="summary table and PNG plots of a run's metrics")
     p.add_argument("run_dir")
     p.add_argument("--no-plots", action="store_true", help="print the table only")
+
+    p = sub.add_parser("convert", help="Hugging Face directory -> run directory (checkpoint)")
+    p.add_argument("hf_dir")
+    p.add_argument("run_dir")
+    p.add_argument("--policy", default="fp32", help="dtype policy preset of the parameters")
+
+    p = sub.add_parser("export", help="checkpoint or run directory -> Hugging Face directory")
+    p.add_argument("checkpoint")
+    p.add_argument("hf_dir")
+    p.add_argument("--dtype", default=None, help="tensor dtype (default: the parameters')")
     return parser
 
 

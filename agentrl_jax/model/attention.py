@@ -30,6 +30,12 @@ one contiguous virtual sequence). Not used with ``meta['keep']`` (eviction) or a
 accumulator (the kernel returns no probabilities); the numbers equal the chunk path's up to
 float reduction order (not bitwise, hence never under parity policies).
 
+Pretrained-family options (``ModelConfig``): q/k/v/o biases (``attn_bias``), RMSNorm of q and
+k over ``head_dim`` before RoPE (``qk_norm``), RoPE scalings (``model.rope``), ``S`` layers
+without their output gate (``window_gate=False``: plain sliding window, gpt-oss) and learned
+attention sinks (``attn_sinks``): sink layers attend through ``model.sinks`` (XLA) on every
+path, teacher-forced included, and never through the kernels, which have no sink term.
+
 Sparse-attention block scorer (``select_blocks``): each key block is summarised by the mean of
 its (RoPE-rotated) keys; a query's GQA group scores block j with the group-mean query dotted
 with that mean key (MoBA-style mean pooling: no extra parameters, one [T, J] product per KV
@@ -48,12 +54,19 @@ from flax import linen as nn
 
 from agentrl_jax import kernels
 from agentrl_jax.model.config import ModelConfig
-from agentrl_jax.model.kv_quant import fake_quant_pages
-from agentrl_jax.model.layers import param_init, rope
+from agentrl_jax.model.layers import RMSNorm, param_init
+from agentrl_jax.model.paged import (  # noqa: F401 - re-exported: part of this module's API
+    _int8_at,
+    _sparse_decode,
+    int8_page_update,
+    over_live_pages,
+    page_buckets,
+)
+from agentrl_jax.model.rope import apply_rope
+from agentrl_jax.model.sinks import masked_attention, sink_attention  # noqa: F401 - re-exported
 from agentrl_jax.precision import DTypePolicy
 
 _BIG = 1e30
-_NEVER = jnp.iinfo(jnp.int32).max  # int8_at / evict_at of a token never compressed
 
 
 def select_blocks(
@@ -126,46 +139,6 @@ def sparse_coverage(
     return mass.reshape(b, t, n_q)
 
 
-def masked_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    mask: jax.Array,
-    policy: DTypePolicy,
-    *,
-    return_probs: bool = False,
-):
-    """Dense attention with an explicit mask; a row with no visible key returns zeros.
-
-    q [B,C,N,H]; k, v [B,S,K,H]; mask bool [B,C,K,S] (shared by a KV group) -> [B,C,N,H];
-    with ``return_probs`` also the probabilities [B,C,K,G,S] (attention dtype).
-    """
-    b, c, n_q, h = q.shape
-    n_kv = k.shape[2]
-    qg = q.reshape(b, c, n_kv, n_q // n_kv, h)
-    logits = jnp.einsum(
-        "BCKGH,BSKH->BCKGS",
-        qg.astype(policy.compute),
-        k.astype(policy.compute),
-        preferred_element_type=policy.attn,
-    ) * jnp.asarray(1.0 / math.sqrt(h), policy.attn)
-    m = mask[:, :, :, None, :]
-    logits = jnp.where(m, logits, -jnp.inf)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    p = jnp.where(m, jnp.exp(logits - row_max), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum(
-        "BCKGS,BSKH->BCKGH",
-        p.astype(policy.compute),
-        v.astype(policy.compute),
-        preferred_element_type=policy.accum,
-    )
-    out = out.reshape(b, c, n_q, h).astype(policy.compute)
-    return (out, p) if return_probs else out
-
-
 def ring_positions(lengths: jax.Array, window: int) -> jax.Array:
     """Absolute position held by each ring slot given ``lengths`` cached tokens; -1 if empty.
 
@@ -184,129 +157,6 @@ def pool_dtype(policy: DTypePolicy):
     dequantised values, so the buffers keep a float dtype.
     """
     return policy.compute if policy.kv_cache_dtype == "int8" else policy.kv_cache
-
-
-def int8_page_update(
-    pool_k: jax.Array,
-    pool_v: jax.Array,
-    tables: jax.Array,
-    int8_at: jax.Array,
-    lengths: jax.Array,
-    new_len: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """Applies the int8 decisions that take effect in this chunk to the paged pools in place.
-
-    A token ``p`` with ``lengths[b] <= int8_at[b, p] < new_len[b]`` (its decision position lies
-    in this chunk) makes its logical page be re-quantised: every token of that page with
-    ``int8_at < new_len`` (old and new int8 tokens) is replaced by its int8 round trip with the
-    page's scale (``kv_quant.fake_quant_pages``); other pages are untouched. Exactly one chunk of
-    a sequence contains a given position, so each decision is applied once, in the rollout as in
-    the trainer's chunked pass (which is what makes replay bitwise). Skipped (``lax.cond``) when
-    no decision falls in the chunk.
-
-    Args:
-      pool_k, pool_v: [P, L, K, H] pools (after this chunk's keys were written).
-      tables: int32 [B, max_pages] block tables (-1: no page; never written).
-      int8_at: int32 [B, S] with S = max_pages * L; int32 max = never int8.
-      lengths, new_len: int32 [B] tokens cached before / after this chunk.
-
-    Returns:
-      The updated (pool_k, pool_v).
-    """
-    n_pages, page = pool_k.shape[:2]
-    b, s = int8_at.shape
-    now = (int8_at >= lengths[:, None]) & (int8_at < new_len[:, None])
-
-    def update(pools):
-        mark = int8_at < new_len[:, None]
-        hit = jnp.repeat(jnp.any(now.reshape(b, s // page, page), axis=2), page, axis=1)
-        page_ids = jnp.repeat(tables, page, axis=1)  # [B, S]
-        dst = jnp.where(mark & hit & (page_ids >= 0), page_ids, n_pages)  # n_pages: dropped
-        slot = jnp.broadcast_to(jnp.arange(s) % page, (b, s))
-        safe = jnp.maximum(tables, 0)
-        out = []
-        for pool in pools:
-            x = pool[safe].reshape(b, s, *pool.shape[2:])
-            out.append(pool.at[dst, slot].set(fake_quant_pages(x, mark, page), mode="drop"))
-        return tuple(out)
-
-    return jax.lax.cond(jnp.any(now), update, lambda pools: pools, (pool_k, pool_v))
-
-
-def _int8_at(meta: dict, policy: DTypePolicy, s: int, page: int) -> jax.Array | None:
-    """int32 [B, S] int8 decision positions of a paged layer, or None when nothing is int8.
-
-    Recorded decisions come in ``meta['int8_at']``; a ``kv_cache_dtype='int8'`` policy adds one
-    for every token: its page's end (a page is quantised once the next page starts).
-    """
-    i8 = meta.get("int8_at")
-    if i8 is not None and i8.shape[1] < s:
-        i8 = jnp.pad(i8, ((0, 0), (0, s - i8.shape[1])), constant_values=_NEVER)
-    if policy.kv_cache_dtype == "int8":
-        page_end = ((jnp.arange(s) // page + 1) * page).astype(jnp.int32)[None, :]
-        i8 = page_end if i8 is None else jnp.minimum(i8, page_end)
-        i8 = jnp.broadcast_to(i8, (meta["lengths"].shape[0], s))
-    return i8
-
-
-def _sparse_decode(q, pool_k, pool_v, tables, idx, positions, new_len, cfg, policy):
-    """One-token sparse attention over the selected blocks through the paged decode kernel.
-
-    q [B, 1, N, H]; pools [P, L, K, H]; tables int32 [B, max_pages]; idx int32 [B, 1, K, n_sel]
-    selected blocks (-1 unused; the own block always selected); positions, new_len int32 [B, 1],
-    [B]. Returns [B, 1, N, H] in the compute dtype. See the module docstring.
-    """
-    b, _, n, h = q.shape
-    n_pages, page = pool_k.shape[:2]
-    bs, kh = cfg.sparse_block_size, cfg.n_kv_heads
-    per_page = page // bs
-    sel = idx[:, 0]  # [B, K, n_sel]
-    big = jnp.iinfo(jnp.int32).max
-    sel = jnp.sort(jnp.where(sel < 0, big, sel), axis=-1)  # ascending, unused last
-    used = sel != big
-    sel = jnp.where(used, sel, 0)
-    page_ids = jnp.take_along_axis(
-        tables[:, None, :], jnp.clip(sel // per_page, 0, tables.shape[1] - 1), axis=2
-    )
-    blocks = jnp.where(used, jnp.maximum(page_ids, 0) * per_page + sel % per_page, 0)
-    own = positions[:, 0] // bs  # [B]
-    n_used = jnp.sum(used, axis=-1)  # [B, K]
-    vlen = (n_used - 1) * bs + (new_len - own * bs)[:, None]
-    vlen = jnp.clip(vlen, 0, sel.shape[-1] * bs).astype(jnp.int32)
-    kb = pool_k.reshape(n_pages * per_page, bs, kh, h)  # pages of one key block (free reshape)
-    vb = pool_v.reshape(n_pages * per_page, bs, kh, h)
-    qg = q[:, 0].reshape(b, kh, n // kh, h)
-
-    def one_head(qk, kp, vp, bt, ln):  # [B, G, H], [Pb, bs, H] x2, [B, n_sel], [B]
-        return kernels.paged_decode_attention(
-            qk, kp[:, :, None], vp[:, :, None], bt, ln, impl=policy.kernel_impl
-        )
-
-    out = jax.vmap(one_head, in_axes=(1, 2, 2, 1, 1), out_axes=1)(qg, kb, vb, blocks, vlen)
-    return out.reshape(b, 1, n, h).astype(policy.compute)
-
-
-def page_buckets(max_pages: int, ratio: float = 1.25) -> tuple[int, ...]:
-    """Static page counts the decode kernel path is compiled for: ``max_pages`` and smaller
-    ones, each about ``ratio`` below the next, down to 1 (ascending)."""
-    sizes, n = {max_pages}, max_pages
-    while n > 1:
-        n = max(1, min(n - 1, int(n / ratio)))
-        sizes.add(n)
-    return tuple(sorted(sizes))
-
-
-def over_live_pages(fn, tables: jax.Array, new_len: jax.Array, page: int):
-    """``fn(n)`` for the smallest bucket ``n`` (:func:`page_buckets`) holding every slot's pages.
-
-    ``fn(n)`` may read only the first ``n`` block-table entries: pages past every slot's length
-    are masked anyway, so decode cost follows the longest live slot instead of ``max_len``. One
-    ``lax.switch`` branch per bucket (all compiled; the one taken is picked on device).
-    """
-    sizes = page_buckets(tables.shape[1])
-    live = jnp.clip(-(-jnp.max(new_len) // page), 1, sizes[-1])
-    index = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), live.astype(jnp.int32))
-    return jax.lax.switch(index, [lambda n=n: fn(n) for n in sizes])
 
 
 def init_layer_cache(
@@ -361,59 +211,80 @@ class Attention(nn.Module):
         updates entry ``group`` in place (see ``_chunk``).
         """
         cfg, pol = self.cfg, self.policy
-        n, kh, h, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+        n, h, d = cfg.n_heads, cfg.head_dim, cfg.d_model
         init = param_init(cfg.init_std)
         out_init = param_init(cfg.init_std / math.sqrt(2 * cfg.n_layers))
-        wq = self.param(
-            "wq",
-            nn.with_logical_partitioning(init, ("embed", "heads", "head_dim")),
-            (d, n, h),
-            pol.param,
-        )
-        wk = self.param(
-            "wk",
-            nn.with_logical_partitioning(init, ("embed", "kv_heads", "head_dim")),
-            (d, kh, h),
-            pol.param,
-        )
-        wv = self.param(
-            "wv",
-            nn.with_logical_partitioning(init, ("embed", "kv_heads", "head_dim")),
-            (d, kh, h),
-            pol.param,
-        )
+        q, k, v = self._project(x, positions)
         wo = self.param(
             "wo",
             nn.with_logical_partitioning(out_init, ("heads", "head_dim", "embed")),
             (n, h, d),
             pol.param,
         )
-        q = rope(pol.einsum("BTD,DNH->BTNH", x, wq), positions, cfg.rope_theta)
-        k = rope(pol.einsum("BTD,DKH->BTKH", x, wk), positions, cfg.rope_theta)
-        v = pol.einsum("BTD,DKH->BTKH", x, wv)
+        sinks = None
+        if cfg.attn_sinks:
+            sinks = self.param(
+                "sinks", nn.with_logical_partitioning(init, ("heads",)), (n,), pol.param
+            )
 
         if cache is None:
             if self.is_mutable_collection("intermediates") and not self.is_initializing():
                 # read by rl.attention_credit (apply with mutable=["intermediates"]); else no-op
                 self.sow("intermediates", "qk", (q, k))
-            out = self._teacher(q, k, v, positions)
+            out = self._teacher(q, k, v, positions, sinks)
             new_cache = None
         else:
-            out, new_cache = self._chunk(q, k, v, positions, cache, meta, valid, group)
+            out, new_cache = self._chunk(q, k, v, positions, cache, meta, valid, group, sinks)
 
-        if self.kind == "S":
+        if self.kind == "S" and cfg.window_gate:
             wg = self.param(
                 "wg", nn.with_logical_partitioning(init, ("embed", "heads")), (d, n), pol.param
             )
             gate = jax.nn.sigmoid(pol.einsum("BTD,DN->BTN", x, wg).astype(jnp.float32))
             out = (out.astype(jnp.float32) * gate[..., None]).astype(pol.compute)
         y = pol.einsum("BTNH,NHD->BTD", out, wo)
+        if cfg.attn_bias:
+            bo = self.param(
+                "bo", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+                (d,), pol.param,
+            )  # fmt: skip
+            y = y + bo.astype(y.dtype)
         return y, new_cache
 
+    def _project(self, x, positions):
+        """q [B,T,N,H], k, v [B,T,K,H]: projections (+ biases), q/k norms, RoPE."""
+        cfg, pol = self.cfg, self.policy
+        n, kh, h, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+        init = param_init(cfg.init_std)
+        out = []
+        for name, heads, axis in (("q", n, "heads"), ("k", kh, "kv_heads"), ("v", kh, "kv_heads")):
+            w = self.param(
+                f"w{name}",
+                nn.with_logical_partitioning(init, ("embed", axis, "head_dim")),
+                (d, heads, h),
+                pol.param,
+            )
+            y = pol.einsum("BTD,DNH->BTNH", x, w)
+            if cfg.attn_bias:
+                bias = self.param(
+                    f"b{name}",
+                    nn.with_logical_partitioning(nn.initializers.zeros_init(), (axis, "head_dim")),
+                    (heads, h),
+                    pol.param,
+                )
+                y = y + bias.astype(y.dtype)
+            if cfg.qk_norm and name != "v":
+                y = RMSNorm(cfg, pol, axis="head_dim", name=f"{name}_norm")(y)
+            out.append(y if name == "v" else apply_rope(y, positions, cfg))
+        return tuple(out)
+
     # Teacher-forced ----------------------------------------------------------------------
-    def _teacher(self, q, k, v, positions):
+    def _teacher(self, q, k, v, positions, sinks=None):
         cfg, impl = self.cfg, self.policy.kernel_impl
         t = q.shape[1]
+        if sinks is not None:  # the kernels have no sink: the XLA path of ``model.sinks``
+            window = cfg.window if self.kind == "S" else t
+            return sink_attention(q, k, v, sinks, window=window, policy=self.policy)
         if self.kind == "S":
             return kernels.sliding_window_attention(q, k, v, window=cfg.window, impl=impl)
         if self.kind == "D":
@@ -430,7 +301,7 @@ class Attention(nn.Module):
         )
 
     # Chunked with cache ------------------------------------------------------------------
-    def _chunk(self, q, k, v, positions, cache, meta, valid, group):
+    def _chunk(self, q, k, v, positions, cache, meta, valid, group, sinks=None):
         """Chunked attention; returns (out [B,C,N,H], new cache of the same layout as ``cache``).
 
         Stacked layout (``group`` given): the buffers keep their [G, ...] shape and only this
@@ -442,7 +313,7 @@ class Attention(nn.Module):
         """
         if group is None:  # one layer's own buffers: a stack of one
             out, new = self._chunk(
-                q, k, v, positions, jax.tree.map(lambda a: a[None], cache), meta, valid, 0
+                q, k, v, positions, jax.tree.map(lambda a: a[None], cache), meta, valid, 0, sinks
             )
             return out, jax.tree.map(lambda a: a[0], new)
         cfg, pol = self.cfg, self.policy
@@ -474,7 +345,7 @@ class Attention(nn.Module):
             kp = kpos[:, None, :]
             mask = (kp >= 0) & (kp <= qp) & (kp > qp - w)  # [B, C, W+C]
             mask = jnp.broadcast_to(mask[:, :, None, :], (b, c, cfg.n_kv_heads, keys.shape[1]))
-            out = masked_attention(q, keys, vals, mask, pol)
+            out = masked_attention(q, keys, vals, mask, pol, sinks=sinks)
             # Write only rows among the last W of the chunk: slots are then unique.
             write = valid & (positions >= new_len[:, None] - w)
             slot = jnp.where(write, positions % w, w)  # w is out of range -> dropped
@@ -506,6 +377,7 @@ class Attention(nn.Module):
             return out, {"k": pool_k.reshape(shape), "v": pool_v.reshape(shape), **extra}
 
         use_kernel = self.decode_kernel and c == 1 and "keep" not in meta and "mass" not in cache
+        use_kernel = use_kernel and sinks is None  # sink layers: the masked XLA path below
         if use_kernel and self.kind == "D":
             out = over_live_pages(
                 lambda n: kernels.paged_decode_attention(
@@ -558,10 +430,10 @@ class Attention(nn.Module):
             sel = jnp.any(idx[..., None] == kblock, axis=-2)  # [B, C, K, S]
             mask = mask & sel
         if "mass" not in cache:
-            return result(masked_attention(q, keys, vals, mask, pol))
+            return result(masked_attention(q, keys, vals, mask, pol, sinks=sinks))
         # rollout KV eviction: accumulate the attention mass each cached position receives
         # from valid queries (mean over heads); same numbers as without it
-        out, p = masked_attention(q, keys, vals, mask, pol, return_probs=True)
+        out, p = masked_attention(q, keys, vals, mask, pol, return_probs=True, sinks=sinks)
         w = valid.astype(jnp.float32)[:, :, None, None, None]
         got = jnp.sum(p.astype(jnp.float32) * w, axis=(1, 2, 3)) / (p.shape[2] * p.shape[3])
         return result(out, mass=cache["mass"].at[group].add(got))

@@ -3,6 +3,11 @@
 The layer pattern is a string over ``S`` (gated sliding-window attention), ``F`` (sparse full
 attention, block top-k selection shared by a GQA group) and ``D`` (dense full attention). One
 pattern group is one scanned step; it repeats ``n_layers / len(layer_pattern)`` times.
+
+Pretrained families (``agentrl_jax.hf``) are configs too: their fields (q/k norm, attention
+biases and sinks, ungated sliding windows, RoPE scaling, router/expert biases, routing and
+expert-activation variants, unscaled embeddings and plain RMSNorm scales) default to the
+project's own architecture, so a config that does not name them computes what it always did.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import math
 LAYER_KINDS = ("S", "F", "D")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 VALUE_HEADS = ("", "shared", "detached")
+ROPE_SCALINGS = ("none", "linear", "yarn")
+ROUTINGS = ("softmax_topk", "topk_softmax")
+EXPERT_ACTS = ("swiglu", "clamped_swiglu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +56,29 @@ class ModelConfig:
         normed hidden state (``extras['values']``, zero-initialised), trained by the RL value
         loss; 'shared' lets that loss's gradient into the trunk, 'detached' stops it there (a
         probe of the policy's features).
+      scaled_embeddings: multiply embeddings by sqrt(d_model) (and a tied unembedding by
+        1/sqrt(d_model)); False: the plain lookup and ``x @ table.T`` of HF families.
+      norm_offset: RMSNorm multiplies by ``1 + scale`` (zero-initialised); False: by ``scale``
+        (one-initialised, HF's convention).
+      qk_norm: RMSNorm over ``head_dim`` on queries and keys before RoPE (Qwen3).
+      attn_bias: biases on the q/k/v/o projections (gpt-oss).
+      attn_sinks: one learned sink logit per query head joins every softmax (its probability
+        mass is dropped, gpt-oss); S and D layers only.
+      window_gate: ``S`` layers carry the per-head output gate; False: plain sliding window.
+      rope_scaling: 'none' | 'linear' (positions / rope_factor) | 'yarn'.
+      rope_factor: scaling factor of 'linear' / 'yarn' (>= 1).
+      rope_original_max_len: YaRN's pre-training context length.
+      yarn_beta_fast, yarn_beta_slow: YaRN's ramp bounds in rotations.
+      yarn_truncate: round YaRN's correction range to whole dimensions.
+      rope_attention_factor: YaRN's cos/sin scale; 0 derives ``0.1 ln(factor) + 1``.
+      router_bias: the MoE router has a bias.
+      expert_bias: expert projections have biases.
+      routing: 'softmax_topk' (softmax over experts, top-k, gates optionally renormalised) |
+        'topk_softmax' (top-k of the logits, softmax over the k selected: gpt-oss).
+      route_renorm: with 'softmax_topk', renormalise the k gates to sum to one.
+      expert_act: 'swiglu' | 'clamped_swiglu' (gpt-oss: gate clamped above at
+        ``swiglu_limit``, up clamped to +-limit, ``(up + 1) * gate * sigmoid(alpha * gate)``).
+      swiglu_alpha, swiglu_limit: the clamped SwiGLU's constants.
     """
 
     vocab_size: int = 512
@@ -74,6 +105,26 @@ class ModelConfig:
     remat: str = "none"
     init_std: float = 0.02
     value_head: str = ""
+    scaled_embeddings: bool = True
+    norm_offset: bool = True
+    qk_norm: bool = False
+    attn_bias: bool = False
+    attn_sinks: bool = False
+    window_gate: bool = True
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_max_len: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_truncate: bool = True
+    rope_attention_factor: float = 0.0
+    router_bias: bool = False
+    expert_bias: bool = False
+    routing: str = "softmax_topk"
+    route_renorm: bool = True
+    expert_act: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         def positive(field):
@@ -133,6 +184,55 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.value_head={self.value_head!r}; allowed: {VALUE_HEADS}")
         for field in ("rope_theta", "norm_eps", "init_std"):
             if getattr(self, field) <= 0:
+                raise ValueError(f"ModelConfig.{field}={getattr(self, field)} must be > 0")
+        self._check_family_fields()
+
+    def _check_family_fields(self):
+        """Validates the pretrained-family fields (see the class docstring)."""
+        for field in (
+            "scaled_embeddings",
+            "norm_offset",
+            "qk_norm",
+            "attn_bias",
+            "attn_sinks",
+            "window_gate",
+            "yarn_truncate",
+            "router_bias",
+            "expert_bias",
+            "route_renorm",
+        ):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r} must be a bool")
+        for field, allowed in (
+            ("rope_scaling", ROPE_SCALINGS),
+            ("routing", ROUTINGS),
+            ("expert_act", EXPERT_ACTS),
+        ):
+            value = getattr(self, field)
+            if value not in allowed:
+                raise ValueError(f"ModelConfig.{field}={value!r}; allowed: {allowed}")
+        if self.attn_sinks and "F" in self.layer_pattern:
+            raise ValueError(
+                f"ModelConfig.attn_sinks=True needs a layer_pattern over S and D only, got "
+                f"{self.layer_pattern!r}"
+            )
+        if not self.rope_factor >= 1.0:
+            raise ValueError(f"ModelConfig.rope_factor={self.rope_factor} must be >= 1")
+        if self.rope_scaling == "yarn" and self.rope_original_max_len <= 0:
+            raise ValueError(
+                f"ModelConfig.rope_original_max_len={self.rope_original_max_len} must be > 0 "
+                "with rope_scaling='yarn'"
+            )
+        if not self.yarn_beta_fast > self.yarn_beta_slow > 0:
+            raise ValueError(
+                f"ModelConfig.yarn_beta_fast={self.yarn_beta_fast} must be > "
+                f"yarn_beta_slow={self.yarn_beta_slow} > 0"
+            )
+        for field in ("rope_attention_factor", "rope_original_max_len"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"ModelConfig.{field}={getattr(self, field)} must be >= 0")
+        for field in ("swiglu_alpha", "swiglu_limit"):
+            if not getattr(self, field) > 0:
                 raise ValueError(f"ModelConfig.{field}={getattr(self, field)} must be > 0")
 
     # Derived --------------------------------------------------------------------------------

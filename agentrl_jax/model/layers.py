@@ -20,22 +20,31 @@ def param_init(std: float):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with fp32 statistics; output in the compute dtype. x [..., D] -> [..., D]."""
+    """RMSNorm with fp32 statistics; output in the compute dtype. x [..., D] -> [..., D].
+
+    The weight multiplies as ``1 + scale`` (zero-initialised) or, with
+    ``cfg.norm_offset=False``, as ``scale`` (one-initialised). ``axis`` is the weight's
+    logical axis name (``head_dim`` for the q/k norms).
+    """
 
     cfg: ModelConfig
     policy: DTypePolicy
+    axis: str = "embed"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        offset = self.cfg.norm_offset
+        init = nn.initializers.zeros_init() if offset else nn.initializers.ones_init()
         scale = self.param(
             "scale",
-            nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+            nn.with_logical_partitioning(init, (self.axis,)),
             (x.shape[-1],),
             self.policy.param,
         )
         x32 = x.astype(jnp.float32)
         var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-        y = x32 * jax.lax.rsqrt(var + self.cfg.norm_eps) * (1.0 + scale.astype(jnp.float32))
+        weight = scale.astype(jnp.float32) + 1.0 if offset else scale.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(var + self.cfg.norm_eps) * weight
         return y.astype(self.policy.compute)
 
 
@@ -65,15 +74,20 @@ class Embedder(nn.Module):
             )
 
     def encode(self, tokens: jax.Array) -> jax.Array:
-        """tokens int32 [B, T] -> [B, T, D] (compute dtype), times sqrt(D) (unit rms at init)."""
+        """tokens int32 [B, T] -> [B, T, D] (compute dtype), times sqrt(D) (unit rms at init)
+        unless ``cfg.scaled_embeddings`` is False."""
         x = jnp.take(self.table, tokens, axis=0)
+        if not self.cfg.scaled_embeddings:
+            return x.astype(self.policy.compute)
         return (x * jnp.sqrt(float(self.cfg.d_model)).astype(x.dtype)).astype(self.policy.compute)
 
     def decode(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> logits float32 [B, T, V]."""
         if self.cfg.tie_embeddings:
             # 1/sqrt(D): initial logits have std 1/sqrt(D) (rows of norm 1 at init, unit-rms x).
-            w = self.table * (1.0 / jnp.sqrt(float(self.cfg.d_model)))
+            w = self.table
+            if self.cfg.scaled_embeddings:
+                w = w * (1.0 / jnp.sqrt(float(self.cfg.d_model)))
             logits = weight_einsum(
                 "BTD,VD->BTV",
                 x.astype(self.policy.compute),

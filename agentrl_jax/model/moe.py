@@ -4,9 +4,11 @@ Einsum legend:
   B batch, T time, D model dim, F hidden (expert / mlp) dim, E experts, C expert capacity,
   N tokens (B*T), K experts per token.
 
-Routing: router logits ``x @ W_r`` in ``policy.router`` dtype (fp32 by default, HIGHEST matmul
-precision so no TF32 on GPUs), softmax, probabilities clamped to ``[1e-6, 1]``, top-k
-(ties go to the lower expert index, ``lax.top_k``), the k gates renormalised to sum to one.
+Routing: router logits ``x @ W_r`` (+ an optional bias) in ``policy.router`` dtype (fp32 by
+default, HIGHEST matmul precision so no TF32 on GPUs), softmax, probabilities clamped to
+``[1e-6, 1]``, top-k (ties go to the lower expert index, ``lax.top_k``), the k gates
+renormalised to sum to one; ``model.experts`` has the families' variants (top-k of the logits
+then a softmax over the k; no renormalisation) and their expert activations and biases.
 Routing replay (``replay_routes``) forces the experts; the gates are then the router
 probabilities gathered at the replayed experts and renormalised, so the router still gets
 gradients through them.
@@ -40,9 +42,15 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.experts import (  # noqa: F401 - route and the references re-exported
+    PROB_MIN,
+    expert_activation,
+    mlp_reference,
+    moe_reference,
+    route,
+)
 from agentrl_jax.precision import DTypePolicy
 
-PROB_MIN = 1e-6
 TOKEN_AXES = ("data", "fsdp", "expert")  # mesh axes tokens are split over inside the dispatch
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -95,31 +103,6 @@ class MLP(nn.Module):
         return pol.einsum("BTF,FD->BTD", h, w_down)
 
 
-def route(
-    logits: jax.Array, k: int, replay_routes: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Router probabilities, top-k experts and renormalised gates.
-
-    Args:
-      logits: [..., E] router logits (their dtype is kept).
-      k: experts per token.
-      replay_routes: optional int [..., k] experts to use instead of the top-k (routing replay).
-        Indices must lie in [0, E); out-of-range indices give NaN gates.
-
-    Returns:
-      probs [..., E] softmax clamped to [1e-6, 1]; routes int32 [..., k] (descending
-      probability, ties to the lower index); gates [..., k] summing to one.
-    """
-    probs = jnp.clip(jax.nn.softmax(logits, axis=-1), PROB_MIN, 1.0)
-    if replay_routes is None:
-        top, routes = jax.lax.top_k(probs, k)
-    else:
-        routes = replay_routes
-        top = jnp.take_along_axis(probs, routes, axis=-1, mode="fill", fill_value=jnp.nan)
-    gates = top / jnp.sum(top, axis=-1, keepdims=True)
-    return probs, routes.astype(jnp.int32), gates
-
-
 def load_balance_loss(
     probs: jax.Array, routes: jax.Array, valid: jax.Array, n_experts: int
 ) -> jax.Array:
@@ -148,13 +131,23 @@ def load_balance_loss(
     return n_experts * jnp.sum(frac * mean_prob)
 
 
-def _expert_ffn(buf, w_gate, w_up, w_down, policy, tensor_axis):
-    """SwiGLU per expert on ``buf [E, C, D]``; partial sums over a split F are psum-ed."""
-    h = nn.silu(_expert_einsum(policy, "ECD,EDF->ECF", buf, w_gate))
-    h = h * _expert_einsum(policy, "ECD,EDF->ECF", buf, w_up)
+def _expert_ffn(buf, w_gate, w_up, w_down, policy, tensor_axis, cfg, biases=()):
+    """Gated FFN per expert on ``buf [E, C, D]``; partial sums over a split F are psum-ed.
+
+    ``biases``: () or ``(b_gate [E, F], b_up [E, F], b_down [E, D])`` (b_down added once,
+    after the psum).
+    """
+    g = _expert_einsum(policy, "ECD,EDF->ECF", buf, w_gate)
+    u = _expert_einsum(policy, "ECD,EDF->ECF", buf, w_up)
+    if biases:
+        g = g + biases[0][:, None, :].astype(g.dtype)
+        u = u + biases[1][:, None, :].astype(u.dtype)
+    h = expert_activation(g, u, cfg)
     out = _expert_einsum(policy, "ECF,EFD->ECD", h, w_down)
     if tensor_axis is not None:
         out = jax.lax.psum(out.astype(policy.accum), tensor_axis).astype(policy.compute)
+    if biases:
+        out = out + biases[2][:, None, :].astype(out.dtype)
     return out
 
 
@@ -166,9 +159,10 @@ def dispatch_combine(
     w_gate,
     w_up,
     w_down,
-    *,
+    *biases,
     capacity,
     policy,
+    cfg,
     expert_axis=None,
     tensor_axis=None,
 ):
@@ -179,6 +173,7 @@ def dispatch_combine(
       w_gate, w_up: [E_local, D, F_local]; w_down: [E_local, F_local, D].
       capacity: C, rows per expert from this shard.
       policy: dtype policy.
+      cfg: model config (the expert activation).
       expert_axis: mesh axis experts are split over (None: all experts local).
       tensor_axis: mesh axis F is split over (None: F local).
 
@@ -205,7 +200,7 @@ def dispatch_combine(
     buf = x_pad[src].reshape(n_exp, cap, d)
     if expert_axis is not None:  # [E, C, D] -> [E_local, shards*C, D]
         buf = jax.lax.all_to_all(buf, expert_axis, 0, 1, tiled=True)
-    out = _expert_ffn(buf, w_gate, w_up, w_down, policy, tensor_axis)
+    out = _expert_ffn(buf, w_gate, w_up, w_down, policy, tensor_axis, cfg, biases)
     if expert_axis is not None:  # back to [E, C, D] for this shard's tokens
         out = jax.lax.all_to_all(out, expert_axis, 1, 0, tiled=True)
     out = jnp.concatenate([out.reshape(n_exp * cap, d), jnp.zeros((1, d), out.dtype)], axis=0)
@@ -269,7 +264,7 @@ class MoE(nn.Module):
           ValueError: ``cfg.n_experts == 0``, or a shape that does not match the config / mesh.
         """
         cfg, pol = self.cfg, self.policy
-        e, k, dm, f = cfg.n_experts, cfg.experts_per_token, cfg.d_model, cfg.d_expert
+        e, k, dm = cfg.n_experts, cfg.experts_per_token, cfg.d_model
         if e == 0:
             raise ValueError("MoE needs ModelConfig.n_experts >= 1 (use MLP when it is 0)")
         if x.ndim != 3 or x.shape[-1] != dm:
@@ -279,25 +274,95 @@ class MoE(nn.Module):
             raise ValueError(f"MoE valid.shape={valid.shape} must be {(b, t)}")
         if replay_routes is not None and replay_routes.shape != (b, t, k):
             raise ValueError(f"MoE replay_routes.shape={replay_routes.shape} must be {(b, t, k)}")
+        mesh, token_axes, tp = self._layout(b * t)
+        w_router, w_gate, w_up, w_down, biases = self._expert_params()
+        n = b * t
+        xf = x.reshape(n, dm)
+        vf = jnp.ones((n,), bool) if valid is None else valid.reshape(n).astype(bool)
+        logits = jnp.einsum(
+            "ND,DE->NE",
+            xf.astype(pol.router),
+            w_router.astype(pol.router),
+            precision=_HIGHEST,
+            preferred_element_type=pol.router,
+        )
+        if cfg.router_bias:
+            r_bias = self.param("router_bias", _init(cfg.init_std, (None,)), (e,), pol.param)
+            logits = logits + r_bias.astype(pol.router)
+        replay = None
+        if replay_routes is not None:  # padding rows may hold anything (e.g. -1): neutralise them
+            replay = jnp.where(vf[:, None], replay_routes.reshape(n, k), jnp.arange(k))
+        probs, routes, gates = route(logits, k, replay, mode=cfg.routing, renorm=cfg.route_renorm)
+        weights = (w_gate, w_up, w_down, *biases)
+        if mesh is not None:
+            n_shards = int(np.prod([dict(mesh.shape)[a] for a in token_axes]))
+            cap = cfg.capacity(n // n_shards)
+            tok, ex = P(token_axes), P(token_axes, None)
+            fax = "tensor" if tp else None
+            fn = jax.shard_map(
+                lambda *a: dispatch_combine(
+                    *a, capacity=cap, policy=pol, cfg=cfg, expert_axis="expert", tensor_axis=fax
+                ),
+                mesh=mesh,
+                in_specs=(
+                    ex,
+                    ex,
+                    ex,
+                    tok,
+                    P("expert", None, fax),
+                    P("expert", None, fax),
+                    P("expert", fax, None),
+                    *((P("expert", fax), P("expert", fax), P("expert", None)) if biases else ()),
+                ),
+                out_specs=(ex, ex),
+            )
+            y, keep = fn(xf.astype(pol.compute), routes, gates, vf, *weights)
+        else:
+            y, keep = dispatch_combine(
+                xf.astype(pol.compute), routes, gates, vf, *weights,
+                capacity=cfg.capacity(n), policy=pol, cfg=cfg,
+            )  # fmt: skip
+        y = self._shared_experts(x, y.reshape(b, t, dm))
+        aux = self._aux(probs, routes, logits, keep, vf)
+        if replay_routes is not None:  # hand back exactly what was replayed, padding included
+            return y, replay_routes.astype(jnp.int32), aux
+        return y, routes.reshape(b, t, k), aux
+
+    def _layout(self, n_tokens: int):
+        """``(mesh or None, token axes, tensor-parallel experts)`` of the expert dispatch.
+
+        Raises ValueError when the experts, tokens or expert width do not divide the mesh.
+        """
+        cfg = self.cfg
         mesh = self.mesh if self.mesh is not None else _ambient_mesh()
         sizes = dict(mesh.shape) if mesh is not None else {}
-        ep = sizes.get("expert", 1) > 1
-        token_axes = tuple(a for a in TOKEN_AXES if a in sizes) if ep else ()
-        n_token_shards = int(np.prod([sizes[a] for a in token_axes])) if ep else 1
-        if ep and e % sizes["expert"]:
+        if sizes.get("expert", 1) <= 1:
+            return None, (), False
+        token_axes = tuple(a for a in TOKEN_AXES if a in sizes)
+        n_token_shards = int(np.prod([sizes[a] for a in token_axes]))
+        if cfg.n_experts % sizes["expert"]:
             raise ValueError(
-                f"ModelConfig.n_experts={e} must be a multiple of mesh expert={sizes['expert']}"
+                f"ModelConfig.n_experts={cfg.n_experts} must be a multiple of mesh "
+                f"expert={sizes['expert']}"
             )
-        if (b * t) % n_token_shards:
+        if n_tokens % n_token_shards:
             raise ValueError(
-                f"MoE tokens B*T={b * t} must be a multiple of {n_token_shards} (mesh {token_axes})"
+                f"MoE tokens B*T={n_tokens} must be a multiple of {n_token_shards} "
+                f"(mesh {token_axes})"
             )
-        tp = ep and sizes.get("tensor", 1) > 1
-        if tp and f % sizes["tensor"]:
+        tp = sizes.get("tensor", 1) > 1
+        if tp and cfg.d_expert % sizes["tensor"]:
             raise ValueError(
-                f"ModelConfig.d_expert={f} must be a multiple of mesh tensor={sizes['tensor']}"
+                f"ModelConfig.d_expert={cfg.d_expert} must be a multiple of mesh "
+                f"tensor={sizes['tensor']}"
             )
+        return mesh, token_axes, tp
 
+    def _expert_params(self):
+        """Router ``[D, E]``, expert weights ``[E, D, F]`` x2 / ``[E, F, D]`` and the expert
+        biases (``()`` or ``[E, F]`` x2, ``[E, D]``)."""
+        cfg, pol = self.cfg, self.policy
+        e, dm, f = cfg.n_experts, cfg.d_model, cfg.d_expert
         std_out = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         w_router = self.param("router", _init(cfg.init_std, ("embed", None)), (dm, e), pol.param)
         w_gate = self.param(
@@ -309,135 +374,49 @@ class MoE(nn.Module):
         w_down = self.param(
             "w_down", _init(std_out, ("expert", "expert_mlp", "embed")), (e, f, dm), pol.param
         )
+        biases = ()
+        if cfg.expert_bias:
+            zeros = nn.initializers.zeros_init()
+            biases = tuple(
+                self.param(name, nn.with_logical_partitioning(zeros, axes), shape, pol.param)
+                for name, axes, shape in (
+                    ("b_gate", ("expert", "expert_mlp"), (e, f)),
+                    ("b_up", ("expert", "expert_mlp"), (e, f)),
+                    ("b_down", ("expert", "embed"), (e, dm)),
+                )
+            )
+        return w_router, w_gate, w_up, w_down, biases
 
-        n = b * t
-        xf = x.reshape(n, dm)
-        vf = jnp.ones((n,), bool) if valid is None else valid.reshape(n).astype(bool)
-        logits = jnp.einsum(
-            "ND,DE->NE",
-            xf.astype(pol.router),
-            w_router.astype(pol.router),
-            precision=_HIGHEST,
-            preferred_element_type=pol.router,
+    def _shared_experts(self, x, y):
+        """``y`` plus the always-on shared experts' SwiGLU of ``x`` (both [B, T, D])."""
+        cfg, pol = self.cfg, self.policy
+        if not cfg.n_shared_experts:
+            return y
+        dm, fs = cfg.d_model, cfg.n_shared_experts * cfg.d_expert
+        std_out = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        s_gate = self.param(
+            "shared_gate", _init(cfg.init_std, ("embed", "mlp")), (dm, fs), pol.param
         )
-        replay = None
-        if replay_routes is not None:  # padding rows may hold anything (e.g. -1): neutralise them
-            replay = jnp.where(vf[:, None], replay_routes.reshape(n, k), jnp.arange(k))
-        probs, routes, gates = route(logits, k, replay)
+        s_up = self.param("shared_up", _init(cfg.init_std, ("embed", "mlp")), (dm, fs), pol.param)
+        s_down = self.param("shared_down", _init(std_out, ("mlp", "embed")), (fs, dm), pol.param)
+        xc = x.astype(pol.compute)
+        h = nn.silu(pol.einsum("BTD,DF->BTF", xc, s_gate)) * pol.einsum("BTD,DF->BTF", xc, s_up)
+        out = y.astype(pol.accum) + pol.einsum("BTF,FD->BTD", h, s_down).astype(pol.accum)
+        return out.astype(pol.compute)
 
-        cap = cfg.capacity(n // n_token_shards)
-        if ep:
-            tok, ex = P(token_axes), P(token_axes, None)
-            fax = "tensor" if tp else None
-            fn = jax.shard_map(
-                lambda *a: dispatch_combine(
-                    *a, capacity=cap, policy=pol, expert_axis="expert", tensor_axis=fax
-                ),
-                mesh=mesh,
-                in_specs=(
-                    ex,
-                    ex,
-                    ex,
-                    tok,
-                    P("expert", None, fax),
-                    P("expert", None, fax),
-                    P("expert", fax, None),
-                ),
-                out_specs=(ex, ex),
-            )
-            y, keep = fn(xf.astype(pol.compute), routes, gates, vf, w_gate, w_up, w_down)
-        else:
-            y, keep = dispatch_combine(
-                xf.astype(pol.compute),
-                routes,
-                gates,
-                vf,
-                w_gate,
-                w_up,
-                w_down,
-                capacity=cap,
-                policy=pol,
-            )
-        y = y.reshape(b, t, dm)
-
-        if cfg.n_shared_experts:
-            fs = cfg.n_shared_experts * f
-            s_gate = self.param(
-                "shared_gate", _init(cfg.init_std, ("embed", "mlp")), (dm, fs), pol.param
-            )
-            s_up = self.param(
-                "shared_up", _init(cfg.init_std, ("embed", "mlp")), (dm, fs), pol.param
-            )
-            s_down = self.param(
-                "shared_down", _init(std_out, ("mlp", "embed")), (fs, dm), pol.param
-            )
-            xc = x.astype(pol.compute)
-            h = nn.silu(pol.einsum("BTD,DF->BTF", xc, s_gate)) * pol.einsum("BTD,DF->BTF", xc, s_up)
-            y = (
-                y.astype(pol.accum) + pol.einsum("BTF,FD->BTD", h, s_down).astype(pol.accum)
-            ).astype(pol.compute)
-
+    def _aux(self, probs, routes, logits, keep, vf):
+        """Load-balance and z losses (over valid tokens), their weighted sum, dropped share."""
+        cfg = self.cfg
         m = vf.astype(jnp.float32)
         n_valid = jnp.maximum(jnp.sum(m), 1.0)
-        lb = load_balance_loss(probs, routes, vf, e)
+        lb = load_balance_loss(probs, routes, vf, cfg.n_experts)
         z = jnp.sum(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2 * m) / n_valid
-        dropped = jnp.sum((1.0 - keep.astype(jnp.float32)) * m[:, None]) / (n_valid * k)
-        aux = {
+        dropped = jnp.sum((1.0 - keep.astype(jnp.float32)) * m[:, None]) / (
+            n_valid * cfg.experts_per_token
+        )
+        return {
             "load_balance_loss": lb,
             "z_loss": z,
             "aux_loss": cfg.router_aux_weight * lb + cfg.router_z_weight * z,
             "dropped_fraction": dropped,
         }
-        if replay_routes is not None:  # hand back exactly what was replayed, padding included
-            return y, replay_routes.astype(jnp.int32), aux
-        return y, routes.reshape(b, t, k), aux
-
-
-def moe_reference(params, x, cfg: ModelConfig, *, valid=None, replay_routes=None, keep=None):
-    """Dense pure-jnp MoE in float32 (every expert on every token), for tests.
-
-    Args:
-      params: the MoE's params dict (unboxed).
-      x: [B, T, D]. valid: unused for outputs except that invalid rows get no routed output.
-      replay_routes: optional int [B, T, K]. keep: optional bool [B, T, K] mask of kept pairs
-        (default: all kept, i.e. dropless).
-
-    Returns:
-      y [B, T, D] float32, routes int32 [B, T, K].
-    """
-    hi = _HIGHEST
-    x = x.astype(jnp.float32)
-    logits = jnp.einsum("BTD,DE->BTE", x, params["router"].astype(jnp.float32), precision=hi)
-    probs = jnp.clip(jnp.exp(logits - jax.nn.logsumexp(logits, -1, keepdims=True)), PROB_MIN, 1.0)
-    k = cfg.experts_per_token
-    routes = (
-        jnp.argsort(-probs, axis=-1, stable=True)[..., :k]
-        if replay_routes is None
-        else replay_routes
-    )
-    top = jnp.take_along_axis(probs, routes, axis=-1)
-    gates = top / jnp.sum(top, -1, keepdims=True)
-    if keep is not None:
-        gates = gates * keep
-    if valid is not None:
-        gates = gates * valid[..., None]
-    y = jnp.zeros_like(x)
-    for ex in range(cfg.n_experts):
-        g = jnp.einsum("BTD,DF->BTF", x, params["w_gate"][ex], precision=hi)
-        u = jnp.einsum("BTD,DF->BTF", x, params["w_up"][ex], precision=hi)
-        o = jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, params["w_down"][ex], precision=hi)
-        y = y + jnp.sum(gates * (routes == ex), -1)[..., None] * o
-    if cfg.n_shared_experts:
-        g = jnp.einsum("BTD,DF->BTF", x, params["shared_gate"], precision=hi)
-        u = jnp.einsum("BTD,DF->BTF", x, params["shared_up"], precision=hi)
-        y = y + jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, params["shared_down"], precision=hi)
-    return y, routes.astype(jnp.int32)
-
-
-def mlp_reference(params, x):
-    """Dense SwiGLU in float32 for tests: ``(silu(x Wg) * x Wu) Wd``."""
-    hi = _HIGHEST
-    x = x.astype(jnp.float32)
-    g = jnp.einsum("BTD,DF->BTF", x, params["w_gate"], precision=hi)
-    u = jnp.einsum("BTD,DF->BTF", x, params["w_up"], precision=hi)
-    return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, params["w_down"], precision=hi)

@@ -35,11 +35,13 @@ The outcome reward (final step only) is 1.0 iff every test, hidden ones included
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from agentrl_jax.envs.base import StepResult, ToolRegistry, call_tool
 from agentrl_jax.envs.coderepair.evaluation import Evaluation, evaluate
 from agentrl_jax.envs.coderepair.task import Task
+from agentrl_jax.envs.coderepair.text import SYSTEM_PROMPT, TOOL_SPECS, call_words
 from agentrl_jax.envs.coderepair.tokenizer import CodeTokenizer
 from agentrl_jax.envs.coderepair.tools import RepairState, constraint_kept, default_registry
 
@@ -67,7 +69,9 @@ def process_signals(before: Evaluation, after: Evaluation, n_visible: int) -> di
 
 
 class CodeRepairEnv:
-    """Multi-turn code repair over token ids. Implements ``envs.base.Env``.
+    """Multi-turn code repair over token ids. Implements ``envs.base.Env`` and, for chat
+    models, ``envs.base.TextEnv`` (``tool_specs``, ``reset_text``, ``step_call``: the same
+    episode with structured calls, see ``coderepair.text``).
 
     Args:
       tokenizer: shared tokenizer (default ``CodeTokenizer()``).
@@ -130,19 +134,59 @@ class CodeRepairEnv:
         Raises:
           RuntimeError: if called before ``reset`` or after the episode ended.
         """
-        if self.state is None or self.done:
-            raise RuntimeError("step() needs reset() first and a running episode")
-        st, cfg = self.state, self.state.task.config
-        self.turn += 1
-        process = _zero_process()
+        self._check_running()
         try:
             words = self.parse_action(action_tokens)
         except ValueError as e:
             words, bad_ids = None, str(e)
         else:
             bad_ids = ""
+        error = "error bad call" if bad_ids else "error no tool call"
+        text, result = self._turn(words, error)
+        obs = self.observation(text)
+        if self.done:
+            obs.append(self.tokenizer.eos_id)
+        return obs, result
+
+    # TextEnv ---------------------------------------------------------------------------------
+    tool_specs = TOOL_SPECS
+
+    def reset_text(self, task: Task) -> tuple[str, str]:
+        """Starts ``task`` (as :meth:`reset`); returns ``(system prompt, the task's prompt)``."""
+        self.reset(task)
+        return SYSTEM_PROMPT, task.prompt
+
+    def step_call(
+        self, name: str | None, arguments: Mapping[str, Any] | None, error: str | None = None
+    ) -> tuple[str, StepResult]:
+        """Applies one turn given as a structured call (``text.call_words``); a call that did
+        not parse (``name`` None) is an ``error ...`` observation naming ``error``. Returns the
+        observation text and the step result (the same as :meth:`step` on the word call).
+
+        Raises:
+          RuntimeError: if called before ``reset`` or after the episode ended.
+        """
+        self._check_running()
+        words, message = None, f"error {error or 'no tool call'}"
+        if name is not None:
+            try:
+                words = call_words(name, arguments or {})
+            except ValueError as e:
+                message = f"error {e}"
+        return self._turn(words, message)
+
+    # One turn ----------------------------------------------------------------------------------
+    def _check_running(self) -> None:
+        if self.state is None or self.done:
+            raise RuntimeError("step() needs reset() first and a running episode")
+
+    def _turn(self, words: list[str] | None, error: str) -> tuple[str, StepResult]:
+        """Runs the call ``words`` (None: the turn is answered by ``error``)."""
+        st, cfg = self.state, self.state.task.config
+        self.turn += 1
+        process = _zero_process()
         if words is None:
-            text = "error bad call" if bad_ids else "error no tool call"
+            text = error
             log = {"tool": "", "args": (), "output": text, "error": True}
         else:
             res = call_tool(self.registry, words, st, cfg.time_limit_s)
@@ -172,7 +216,4 @@ class CodeRepairEnv:
             success = bool(st.submitted and st.final.all_pass and st.goal_adhered)
             outcome = 1.0 if success else 0.0
             log.update(success=success, goal_adhered=st.goal_adhered, turns=self.turn)
-        obs = self.observation(text)
-        if self.done:
-            obs.append(self.tokenizer.eos_id)
-        return obs, StepResult(done=self.done, outcome_reward=outcome, process=process, log=log)
+        return text, StepResult(done=self.done, outcome_reward=outcome, process=process, log=log)
