@@ -24,7 +24,7 @@ train: $(STAMP)
 	$(VENV)/bin/agentrl train experiments/default.py
 
 test: $(STAMP)
-	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" $(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -50,7 +50,8 @@ SOURCE_FILES = (
 _EXPERIMENT = '''"""Starts from the Hugging Face model converted into this run directory
 (``agentrl convert {source} {run_dir}``)."""
 
-from agentrl_jax.config import base_config, parse_arg
+from agentrl_jax.config import parse_arg
+from agentrl_jax.experiment import base_config
 
 MODEL = {model}
 

@@ -193,7 +193,7 @@ def test_convert_then_export_roundtrip(hf_models, tmp_path):
     from agentrl_jax.config import load_config
     from agentrl_jax.model.transformer import Transformer, init_params
     from agentrl_jax.precision import get_policy
-    from agentrl_jax.train.rl_loop import initial_params
+    from agentrl_jax.train.stages import initial_params
 
     src = hf_models["gpt_oss"][0]
     run, out = str(tmp_path / "run"), str(tmp_path / "out")
