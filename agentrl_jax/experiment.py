@@ -10,6 +10,7 @@ fails before a run directory, SFT or an evaluation exists.
 section    dataclass                            owner
 =========  ===================================  ==========================================
 env        ``envs.registry.EnvSpec`` (by name)  the environment registry
+init       ``InitConfig``                       ``hf/training.py``
 model      ``ModelConfig``                      ``model/config.py``
 policy     ``DTypePolicy`` (by preset name)     ``precision.py``
 mesh       ``MeshConfig``                       ``sharding.py``
@@ -31,6 +32,8 @@ from typing import Any
 from agentrl_jax.config import ConfigDict, apply_overrides, to_dataclass
 from agentrl_jax.data.pipeline import DataConfig
 from agentrl_jax.envs.registry import EnvSpec, get_env
+from agentrl_jax.hf import training as hf_training
+from agentrl_jax.hf.training import InitConfig
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.precision import DTypePolicy, get_policy
 from agentrl_jax.rl.losses import LossConfig
@@ -56,6 +59,7 @@ def base_config() -> ConfigDict:
     cfg.env = "coderepair"  # environment registry name (agentrl_jax.envs.registry)
     cfg.policy = "fp32"  # agentrl_jax.precision preset name
     cfg.sweep_vectorized = False  # agentrl sweep: one vmapped learner for all points
+    cfg.init = _section(InitConfig)  # a pretrained Hugging Face model to start from
     cfg.model = _section(ModelConfig)
     cfg.mesh = _section(MeshConfig)
     cfg.sft = _section(SFTConfig)  # supervised warm start
@@ -69,9 +73,14 @@ def base_config() -> ConfigDict:
 
 @dataclasses.dataclass(frozen=True)
 class Sections:
-    """A config's sections as the frozen dataclasses the code takes (see the module table)."""
+    """A config's sections as the frozen dataclasses the code takes (see the module table).
+
+    With ``init.hf_path`` the model is the pretrained one's and the environment is played
+    through its chat template (``hf.training``).
+    """
 
     env: EnvSpec
+    init: InitConfig
     model: ModelConfig
     policy: DTypePolicy
     mesh: MeshConfig
@@ -99,9 +108,16 @@ def build(cfg: ConfigDict) -> Sections:
         have; process weights the environment does not emit; an evaluation level the
         environment does not have; option combinations that cannot run together.
     """
+    init = to_dataclass(cfg.init, InitConfig)
+    env = get_env(cfg.env)
+    model = to_dataclass(cfg.model, ModelConfig)
+    if init.hf_path:
+        model = hf_training.model_config(init.hf_path, model)
+        env = hf_training.chat_env(env, init.hf_path)
     s = Sections(
-        env=get_env(cfg.env),
-        model=to_dataclass(cfg.model, ModelConfig),
+        env=env,
+        init=init,
+        model=model,
         policy=get_policy(cfg.policy),
         mesh=to_dataclass(cfg.mesh, MeshConfig),
         sft=to_dataclass(cfg.sft, SFTConfig),

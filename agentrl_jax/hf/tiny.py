@@ -199,3 +199,57 @@ def make_tiny_tokenizer(path: str, family: str, texts, *, vocab_size: int = 512)
     }
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
+
+
+def env_corpus(env, n_tasks: int = 6, difficulty: int = 1) -> list[str]:
+    """Texts a tokenizer for ``env`` (an ``EnvSpec`` whose environment has a text interface)
+    should cover: tool schemas, prompts, the expert's calls in both formats and the tool
+    outputs of a few tasks."""
+    import json
+
+    from agentrl_jax.envs.coderepair.text import call_from_words
+    from agentrl_jax.hf.tool_calls import FORMATS
+
+    tok = env.tokenizer()
+    fmts = [cls() for cls in dict.fromkeys(FORMATS.values())]
+    texts = []
+    for seed in range(n_tasks):
+        task = env.make_task(seed, difficulty, bug_types=(env.bug_types[seed % 2],))
+        text_env = env.env(tok)
+        system, user = text_env.reset_text(task)
+        texts += [json.dumps([s.as_json() for s in text_env.tool_specs]), system, user]
+        for words in getattr(env.expert(task, tok), "plan", ()):
+            name, args = call_from_words(words)
+            texts += [fmt.render_call(name, args) for fmt in fmts] + [json.dumps(args)]
+            obs, result = text_env.step_call(name, args)
+            texts.append(obs)
+            if result.done:
+                break
+    return texts
+
+
+def tiny_chat_model(family: str, env, directory: str, *, vocab_size: int = 600) -> str:
+    """A random tiny ``family`` model with a BPE tokenizer trained on ``env``'s texts, in
+    ``directory/<family>-<env>`` (built once: an existing complete one is reused; a concurrent
+    builder's result is kept). Returns that path: an ``init.hf_path`` for smoke runs."""
+    import os
+    import shutil
+    import tempfile
+
+    path = os.path.join(directory, f"{family}-{env.name}-v{vocab_size}")
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    os.makedirs(directory, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=directory)
+    try:
+        make_tiny_tokenizer(tmp, family, env_corpus(env), vocab_size=vocab_size)
+        from agentrl_jax.hf.tokenizer import load_tokenizer
+
+        make_tiny_hf(family, tmp, vocab_size=load_tokenizer(tmp).vocab_size, num_hidden_layers=2)
+        os.rename(tmp, path)
+    except OSError:
+        if not os.path.isfile(os.path.join(path, "model.safetensors")):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

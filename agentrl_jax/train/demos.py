@@ -47,7 +47,7 @@ import numpy as np
 from agentrl_jax.data import DataConfig, task_dataset
 from agentrl_jax.envs.base import Tokenizer
 from agentrl_jax.envs.episode import play_episode
-from agentrl_jax.envs.registry import EnvSpec, as_env, get_env
+from agentrl_jax.envs.registry import EnvSpec, as_env
 
 DEMO_KEYS = ("tokens", "action_mask", "fix_mask", "detour_mask", "turn_ids")
 
@@ -112,7 +112,7 @@ class MakeDemo(grain.transforms.Map):
 
     def __init__(
         self,
-        env: str = "coderepair",
+        env: EnvSpec | str = "coderepair",
         detour_prob: float = 0.0,
         detour_seed: int = 0,
         max_guesses: int = 1,
@@ -124,7 +124,7 @@ class MakeDemo(grain.transforms.Map):
         self.detour_seed = detour_seed
         self.max_guesses = max_guesses
         self.learn_guesses = learn_guesses
-        self.env = get_env(env)
+        self.env = as_env(env)
         self.tokenizer = self.env.tokenizer()
 
     def map(self, element: Mapping[str, Any]) -> dict[str, Any]:
@@ -215,7 +215,7 @@ class DemoSource:
     """What a demonstration stream draws: difficulties, detours, bucket lengths, seeds.
 
     Attributes:
-      env: the environment's registry name.
+      env: the environment (an ``EnvSpec`` or its registry name).
       difficulties: environment difficulty levels (equal weight each).
       detour_prob: probability of a detour before each fix.
       max_guesses: most wrong guesses in a row in a wrong-guess detour (>= 1).
@@ -226,7 +226,7 @@ class DemoSource:
       crop_len: if > 0, demonstrations are cropped by ``crop_demo`` (padded to ``crop_len``).
     """
 
-    env: str = "coderepair"
+    env: EnvSpec | str = "coderepair"
     difficulties: tuple[int, ...] = (1,)
     detour_prob: float = 0.0
     max_guesses: int = 1
@@ -271,7 +271,7 @@ class DemoStream:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         self.source = source
         self.batch_size = batch_size
-        self.tokenizer = get_env(source.env).tokenizer()
+        self.tokenizer = as_env(source.env).tokenizer()
         data_cfg = dataclasses.replace(data or DataConfig(), difficulties=source.difficulties)
         ds = task_dataset(
             "train", data_cfg.cells("train"), data_cfg.train_seeds, source.shuffle_seed

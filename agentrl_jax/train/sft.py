@@ -43,7 +43,7 @@ import numpy as np
 import optax
 
 from agentrl_jax.data import DataConfig
-from agentrl_jax.envs.registry import get_env
+from agentrl_jax.envs.registry import EnvSpec, as_env
 from agentrl_jax.metrics import MetricsWriter, ProgressBar
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
@@ -257,7 +257,7 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
     return jax.jit(train_step, donate_argnums=(0,))
 
 
-def _streams(cfg: SFTConfig, env: str, data: DataConfig | None) -> dict[str, DemoStream]:
+def _streams(cfg: SFTConfig, env: EnvSpec | str, data: DataConfig | None) -> dict[str, DemoStream]:
     """The demonstration streams of a run: ``main`` and, with a curriculum, ``curriculum``."""
 
     def stream(difficulties, seed_offset: int, crop_len: int = 0) -> DemoStream:
@@ -316,7 +316,7 @@ def run_sft(
     cfg: SFTConfig,
     run_dir: str,
     *,
-    env: str = "coderepair",
+    env: EnvSpec | str = "coderepair",
     data: DataConfig | None = None,
     params: Any = None,
     resume: bool = False,
@@ -330,7 +330,7 @@ def run_sft(
       policy: dtype policy or preset name.
       cfg: SFT settings.
       run_dir: an existing run directory (metrics and ``checkpoints/sft`` are written there).
-      env: the environment's registry name (its expert makes the demonstrations).
+      env: the environment or its registry name (its expert makes the demonstrations).
       data: the run's task settings (``DemoStream``); default ``DataConfig()``.
       params: initial parameters (default: ``init_params`` with ``cfg.seed``).
       resume: continue from the latest checkpoint in ``run_dir`` (else an existing one is an
@@ -346,7 +346,7 @@ def run_sft(
       ValueError: the vocabulary is too small, or ``run_dir`` already holds SFT checkpoints and
         ``resume`` is False.
     """
-    vocab = get_env(env).tokenizer().vocab_size
+    vocab = as_env(env).tokenizer().vocab_size
     if model_cfg.vocab_size < vocab:
         raise ValueError(f"model vocab_size={model_cfg.vocab_size} must be >= {vocab}")
     model = Transformer(model_cfg, get_policy(policy))

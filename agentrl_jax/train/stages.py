@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from agentrl_jax.config import ConfigDict
+from agentrl_jax.hf import load_pretrained
 from agentrl_jax.metrics import MetricsWriter, load_config_json, plain
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.train.checkpoint import restore_params, stage_dir
@@ -39,9 +40,13 @@ def start_params(
     progress: bool | None = None,
 ):
     """The parameters RL starts from: SFT (``train.sft``; continued from its checkpoint when
-    ``resume`` and one exists), else ``train.init_from``, else ``init_params`` with ``seed``."""
+    ``resume`` and one exists), else ``train.init_from``, else ``init_params`` with ``seed``.
+    With ``init.hf_path`` the pretrained parameters are where SFT starts, or RL without SFT."""
     s = sections
     model = Transformer(s.model, s.policy)
+    pretrained = None
+    if s.init.hf_path:
+        _, pretrained = load_pretrained(s.init.hf_path, s.policy)
     if s.train.sft:
         sft_dir = stage_dir(run_dir, "sft")
         done = resume and os.path.isdir(sft_dir) and os.listdir(sft_dir)
@@ -50,13 +55,16 @@ def start_params(
             s.policy,
             s.sft,
             run_dir,
-            env=s.env.name,
+            env=s.env,
             data=s.data,
+            params=pretrained,
             resume=bool(done),
             writer=writer,
             progress=progress,
         )
         return params
+    if pretrained is not None:
+        return pretrained
     template = init_params(model, jax.random.key(seed))
     if s.train.init_from:
         return initial_params(s.train.init_from, template)
