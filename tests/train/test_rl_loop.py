@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from agentrl_jax.config import apply_overrides, load_config
+from agentrl_jax.experiment import build
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
-from agentrl_jax.experiment import build
 from agentrl_jax.report import build_report
 from agentrl_jax.train.main import run
 from agentrl_jax.train.reference import make_logprobs_fn
