@@ -37,6 +37,7 @@ U micro-batches per minibatch.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -185,6 +186,48 @@ def _combine(stacked: dict[str, jax.Array], loss_w: jax.Array, tok_w: jax.Array)
     return out
 
 
+def _micro_loss(model: Transformer, spec, lcfg, params, x, loss_w, n_micro):
+    """One micro-batch's weighted objective and its ``(metrics, aux)`` (``make_grad_fn``)."""
+    sg = jax.lax.stop_gradient
+    logp, ent, extras = sequence_logprobs(
+        model,
+        params,
+        x["tokens"],
+        valid=x["valid"],
+        replay_routes=x.get("routes"),
+        evict_at=x.get("evict_at"),
+        int8_at=x.get("int8_at"),
+        chunk_spec=spec,
+    )
+    loss, metrics = policy_loss(
+        logp,
+        sg(logp) if x.get("logp_old") is None else x["logp_old"],
+        x.get("logp_rollout"),
+        x["adv"],
+        x["mask"],
+        lcfg,
+        logp_ref=x.get("logp_ref"),
+        entropy=ent if lcfg.entropy_coef > 0 else sg(ent),
+    )
+    if lcfg.vf_coef > 0:  # values[:, j]: V of the prefix that predicts token j + 1
+        v_loss, v_metrics = value_loss(
+            extras["values"][:, :-1], x["v_old"], x["v_target"], x["mask"], lcfg
+        )
+        loss = loss + lcfg.vf_coef * v_loss
+        metrics |= v_metrics | {"loss": metrics["loss"] + lcfg.vf_coef * v_metrics["value_loss"]}
+    total = loss_w * loss
+    if model.cfg.is_moe:
+        lb, z = extras["load_balance_loss"], extras["z_loss"]
+        total = total + (lcfg.moe_lb_coef * lb + lcfg.moe_z_coef * z) / n_micro
+        metrics["moe_lb_loss"] = sg(lb)
+        metrics["moe_z_loss"] = sg(z)
+        metrics["moe_dropped_fraction"] = sg(extras["dropped_fraction"])
+    aux = {"logp": sg(logp)}
+    if "routes" in extras:
+        aux["routes"] = extras["routes"]
+    return total, (metrics, aux)
+
+
 def make_grad_fn(
     model: Transformer,
     rl_cfg: RLConfig,
@@ -215,48 +258,7 @@ def make_grad_fn(
             f"loss.vf_coef={lcfg.vf_coef} needs a model with a value head "
             "(model.value_head='shared' or 'detached')"
         )
-    sg = jax.lax.stop_gradient
-
-    def micro_loss(params, x, loss_w, n_micro):
-        logp, ent, extras = sequence_logprobs(
-            model,
-            params,
-            x["tokens"],
-            valid=x["valid"],
-            replay_routes=x.get("routes"),
-            evict_at=x.get("evict_at"),
-            int8_at=x.get("int8_at"),
-            chunk_spec=spec,
-        )
-        loss, metrics = policy_loss(
-            logp,
-            sg(logp) if x.get("logp_old") is None else x["logp_old"],
-            x.get("logp_rollout"),
-            x["adv"],
-            x["mask"],
-            lcfg,
-            logp_ref=x.get("logp_ref"),
-            entropy=ent if lcfg.entropy_coef > 0 else sg(ent),
-        )
-        if lcfg.vf_coef > 0:  # values[:, j]: V of the prefix that predicts token j + 1
-            v_loss, v_metrics = value_loss(
-                extras["values"][:, :-1], x["v_old"], x["v_target"], x["mask"], lcfg
-            )
-            loss = loss + lcfg.vf_coef * v_loss
-            metrics |= v_metrics | {
-                "loss": metrics["loss"] + lcfg.vf_coef * v_metrics["value_loss"]
-            }
-        total = loss_w * loss
-        if model.cfg.is_moe:
-            lb, z = extras["load_balance_loss"], extras["z_loss"]
-            total = total + (lcfg.moe_lb_coef * lb + lcfg.moe_z_coef * z) / n_micro
-            metrics["moe_lb_loss"] = sg(lb)
-            metrics["moe_z_loss"] = sg(z)
-            metrics["moe_dropped_fraction"] = sg(extras["dropped_fraction"])
-        aux = {"logp": sg(logp)}
-        if "routes" in extras:
-            aux["routes"] = extras["routes"]
-        return total, (metrics, aux)
+    micro_loss = functools.partial(_micro_loss, model, spec, lcfg)
 
     def grad_fn(params, mb):
         bm = mb["tokens"].shape[0]
@@ -319,6 +321,80 @@ def _as_key(rng):
     if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
         return rng
     return jax.random.wrap_key_data(rng)
+
+
+def _optimizer_steps(grad_fn, tx, rl_cfg: RLConfig, rows: dict, carry, key, single: bool):
+    """``ppo_epochs`` x ``n_minibatches`` optimiser updates as two nested ``lax.scan``s (the
+    batch permuted per epoch from ``fold_in(key, epoch)``); an update whose loss, gradient norm
+    or update norm is not finite is skipped. Returns ``((params, opt_state), (per-update
+    metrics [E, M], applied [E, M], aux of the single update or None))``."""
+    b = rows["tokens"].shape[0]
+    bm = b // rl_cfg.n_minibatches
+
+    def minibatch_step(carry, idx):
+        params, opt_state = carry
+        mb = jax.tree.map(lambda a: a[idx], rows)
+        grads, m, aux = grad_fn(params, mb)
+        gnorm = optax.global_norm(grads)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        ok = jnp.isfinite(m["loss"]) & jnp.isfinite(gnorm)
+        ok = ok & jnp.isfinite(optax.global_norm(updates))
+        params = _tree_where(ok, new_params, params)
+        opt_state = _tree_where(ok, new_opt, opt_state)
+        return (params, opt_state), (m | {"grad_norm": gnorm}, ok, aux if single else None)
+
+    def epoch(carry, e):
+        if rl_cfg.n_minibatches == 1:
+            order = jnp.arange(b)
+        else:
+            order = jax.random.permutation(jax.random.fold_in(key, e), b)
+        return jax.lax.scan(minibatch_step, carry, order.reshape(rl_cfg.n_minibatches, bm))
+
+    return jax.lax.scan(epoch, carry, jnp.arange(rl_cfg.ppo_epochs))
+
+
+def _mismatch(data: dict, pre, aux) -> dict[str, jax.Array]:
+    """``mismatch/*`` metrics of the trainer's pre-update logprobs (the separate pass ``pre``,
+    else the single update's gradient pass) against the rollout's."""
+    b = data["tokens"].shape[0]
+    if pre is not None:
+        logp_train, _, routes_train = pre
+    else:  # the single update's gradient pass saw the pre-update parameters
+        logp_train = aux["logp"].reshape(b, -1)
+        routes_train = aux.get("routes")
+        if routes_train is not None:
+            routes_train = routes_train.reshape(b, *routes_train.shape[3:])
+    rollout_routes = data.get("routes", data.get("rollout_routes"))
+    with_routes = routes_train is not None and rollout_routes is not None
+    mm = mismatch_metrics(
+        logp_train,
+        data["logp_rollout"],
+        data["mask"],
+        routes_train=routes_train[:, :-1] if with_routes else None,
+        routes_rollout=rollout_routes[:, :-1] if with_routes else None,
+    )
+    return {f"mismatch/{k}": v for k, v in mm.items()}
+
+
+def _applied_metrics(per_update: dict, ok: jax.Array) -> dict[str, jax.Array]:
+    """Per-update metrics averaged (max / min for ratio extremes) over the applied updates
+    ``ok`` bool [U]; with none applied, the raw (non-finite) values: that is the news."""
+    n_ok = jnp.sum(ok.astype(jnp.float32))
+    metrics = {}
+    for name, v in per_update.items():
+        v = v.reshape(-1)
+        if name in _MAX_METRICS:
+            metrics[name] = jnp.max(jnp.where(ok, v, -jnp.inf))
+        elif name in _MIN_METRICS:
+            metrics[name] = jnp.min(jnp.where(ok, v, jnp.inf))
+        else:
+            metrics[name] = jnp.sum(jnp.where(ok, v, 0.0)) / jnp.maximum(n_ok, 1.0)
+        metrics[name] = jnp.where(n_ok > 0, metrics[name], jnp.mean(v))
+    metrics["grad_norm_max"] = jnp.max(per_update["grad_norm"])
+    metrics["skipped_updates"] = jnp.sum((~ok).astype(jnp.int32)).astype(jnp.float32)
+    metrics["n_updates"] = jnp.float32(ok.shape[0])
+    return metrics
 
 
 def make_update_fn(
@@ -385,10 +461,8 @@ def make_update(
             traced = rl_cfg.replace(loss=rl_cfg.loss.with_traced(**state.hparams))
             grad_fn = make_grad_fn(model, traced, None, spec)
         data = prepare_batch(batch, rl_cfg, model)
-        b = data["tokens"].shape[0]
-        bm = _check_divides(b, rl_cfg)
+        _check_divides(data["tokens"].shape[0], rl_cfg)
         key = jax.random.fold_in(_as_key(state.rng if rng is None else rng), state.step)
-        metrics: dict[str, jax.Array] = {}
         # One update per step: the gradient pass runs on the pre-update parameters, so its own
         # (stop-gradient) logprobs are the recomputed anchor and the mismatch source: no extra
         # forward pass.
@@ -396,77 +470,23 @@ def make_update(
         fused = single and rl_cfg.old_logprobs == "recompute"
         mismatch = rl_cfg.log_mismatch and "logp_rollout" in data
         need_pre = not fused and (rl_cfg.old_logprobs == "recompute" or mismatch)
-        if need_pre:
-            logp_pre, _, routes_pre = _pre_update(model, rl_cfg, spec, state.params, data)
+        pre = _pre_update(model, rl_cfg, spec, state.params, data) if need_pre else None
         if rl_cfg.old_logprobs == "rollout":
             data["logp_old"] = data["logp_rollout"]
         elif not fused:
-            data["logp_old"] = logp_pre
+            data["logp_old"] = pre[0]
         rows = {k: v for k, v in data.items() if k != "rollout_routes"}
-
-        def minibatch_step(carry, idx):
-            params, opt_state = carry
-            mb = jax.tree.map(lambda a: a[idx], rows)
-            grads, m, aux = grad_fn(params, mb)
-            gnorm = optax.global_norm(grads)
-            updates, new_opt = tx.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            ok = jnp.isfinite(m["loss"]) & jnp.isfinite(gnorm)
-            ok = ok & jnp.isfinite(optax.global_norm(updates))
-            params = _tree_where(ok, new_params, params)
-            opt_state = _tree_where(ok, new_opt, opt_state)
-            return (params, opt_state), (m | {"grad_norm": gnorm}, ok, aux if single else None)
-
-        def epoch(carry, e):
-            if rl_cfg.n_minibatches == 1:
-                order = jnp.arange(b)
-            else:
-                order = jax.random.permutation(jax.random.fold_in(key, e), b)
-            return jax.lax.scan(minibatch_step, carry, order.reshape(rl_cfg.n_minibatches, bm))
-
-        (params, opt_state), (per_update, ok, aux) = jax.lax.scan(
-            epoch, (state.params, state.opt_state), jnp.arange(rl_cfg.ppo_epochs)
+        (params, opt_state), (per_update, ok, aux) = _optimizer_steps(
+            grad_fn, tx, rl_cfg, rows, (state.params, state.opt_state), key, single
         )
-        if mismatch:
-            if need_pre:
-                logp_train, routes_train = logp_pre, routes_pre
-            else:  # the single update's gradient pass saw the pre-update parameters
-                logp_train = aux["logp"].reshape(b, -1)
-                routes_train = aux.get("routes")
-                if routes_train is not None:
-                    routes_train = routes_train.reshape(b, *routes_train.shape[3:])
-            rollout_routes = data.get("routes", data.get("rollout_routes"))
-            with_routes = routes_train is not None and rollout_routes is not None
-            mm = mismatch_metrics(
-                logp_train,
-                data["logp_rollout"],
-                data["mask"],
-                routes_train=routes_train[:, :-1] if with_routes else None,
-                routes_rollout=rollout_routes[:, :-1] if with_routes else None,
-            )
-            metrics |= {f"mismatch/{k}": v for k, v in mm.items()}
-        ok = ok.reshape(-1)
-        n_ok = jnp.sum(ok.astype(jnp.float32))
-        for name, v in per_update.items():
-            v = v.reshape(-1)
-            if name in _MAX_METRICS:
-                metrics[name] = jnp.max(jnp.where(ok, v, -jnp.inf))
-            elif name in _MIN_METRICS:
-                metrics[name] = jnp.min(jnp.where(ok, v, jnp.inf))
-            else:
-                metrics[name] = jnp.sum(jnp.where(ok, v, 0.0)) / jnp.maximum(n_ok, 1.0)
-            # With no applied update, report the raw (non-finite) values: that is the news.
-            metrics[name] = jnp.where(n_ok > 0, metrics[name], jnp.mean(v))
-        metrics["grad_norm_max"] = jnp.max(per_update["grad_norm"])
-        skipped_updates = jnp.sum((~ok).astype(jnp.int32))
-        skipped = skipped_updates > 0
+        metrics = _mismatch(data, pre, aux) if mismatch else {}
+        metrics |= _applied_metrics(per_update, ok.reshape(-1))
+        skipped = metrics["skipped_updates"] > 0
         nonfinite = state.nonfinite_count + skipped.astype(jnp.int32)
         consecutive = jnp.where(skipped, state.consecutive_nonfinite + 1, 0).astype(jnp.int32)
         metrics |= {
-            "skipped_updates": skipped_updates.astype(jnp.float32),
             "skipped": skipped.astype(jnp.float32),
             "nonfinite_steps": nonfinite.astype(jnp.float32),
-            "n_updates": jnp.float32(ok.shape[0]),
             "tokens": jnp.sum(data["valid"]).astype(jnp.float32),
             "action_tokens": jnp.sum(data["mask"]).astype(jnp.float32),
         }

@@ -310,6 +310,23 @@ class _StepLog:
         return out
 
 
+def _restore(ckpt: Checkpointer, state: TrainState, streams: dict) -> tuple[TrainState, int]:
+    """The latest SFT checkpoint's state and the streams' positions; returns ``(state, step)``."""
+    out = ckpt.restore(params=state.params, opt_state=state.opt_state)
+    start = out["step"]
+    state = state._replace(
+        params=out["params"],
+        opt_state=out["opt_state"],
+        step=jnp.asarray(start, jnp.int32),
+        rng=out["rng"],
+    )
+    for name, st in out["meta"].get("data", {}).items():
+        if name in streams:
+            streams[name].restore(st)
+    logger.info("resumed SFT at step %d", start)
+    return state, start
+
+
 def run_sft(
     model_cfg: ModelConfig,
     policy: DTypePolicy | str,
@@ -359,18 +376,7 @@ def run_sft(
     streams = _streams(cfg, env, data)
     start = 0
     if resume and ckpt.latest_step() is not None:
-        out = ckpt.restore(params=params, opt_state=state.opt_state)
-        start = out["step"]
-        state = state._replace(
-            params=out["params"],
-            opt_state=out["opt_state"],
-            step=jnp.asarray(start, jnp.int32),
-            rng=out["rng"],
-        )
-        for name, st in out["meta"].get("data", {}).items():
-            if name in streams:
-                streams[name].restore(st)
-        logger.info("resumed SFT at step %d", start)
+        state, start = _restore(ckpt, state, streams)
 
     own_writer = writer is None
     writer = MetricsWriter(run_dir) if own_writer else writer
