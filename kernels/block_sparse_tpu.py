@@ -77,6 +77,16 @@ def _kernel(
         o_ref[...] = (acc_sc[...] / jnp.where(l_i > 0, l_i, 1.0)).astype(o_ref.dtype)
 
 
+def kv_block_index(b, n, i, sl, blk_ref, cnt_ref, *, kv_heads, groups, n_sel):
+    """K/V BlockSpec index map at grid point (b, n, i, sl): the compacted selection's block.
+
+    Consecutive grid steps that map to the same block issue no copy, so the DMAs of one query
+    group are its used blocks (``tests/kernels/test_tpu_dmas_kernel.py`` counts them).
+    """
+    del cnt_ref
+    return (b, n, blk_ref[((b * kv_heads + n) * groups + i) * n_sel + sl], 0)
+
+
 def _check_tpu_tiles(rows, groups, bs, nblk):
     if rows % 8 and groups > 1:
         raise ValueError(
@@ -100,9 +110,7 @@ def _forward(q, k, v, idx, scale, bs, qb, interpret):
     row_tok = jnp.asarray((np.arange(rows) // (rows // qb))[:, None].astype(np.int32))
     q_spec = pl.BlockSpec((None, None, rows, h), lambda b_, n, i, sl, *_: (b_, n, i, 0))
 
-    def kv_index(b_, n, i, sl, blk_ref, cnt_ref):
-        return (b_, n, blk_ref[((b_ * kh + n) * groups + i) * n_sel + sl], 0)
-
+    kv_index = functools.partial(kv_block_index, kv_heads=kh, groups=groups, n_sel=n_sel)
     kv_spec = pl.BlockSpec((None, None, bs, h), kv_index)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
