@@ -104,16 +104,19 @@ def block_sparse_attention_reference(
     *,
     block_size: int,
     softmax_scale: float | None = None,
+    q_positions: jax.Array | None = None,
 ) -> jax.Array:
     """Dense fp32 reference: builds the full [T, S] mask from the selected blocks.
 
     Args:
       q: [B, T, Hq, D] queries.
-      k: [B, T, Hkv, D] keys; Hq must be a multiple of Hkv.
-      v: [B, T, Hkv, D] values.
+      k: [B, S, Hkv, D] keys; Hq must be a multiple of Hkv.
+      v: [B, S, Hkv, D] values.
       block_indices: int [B, T, Hkv, n_sel] selected key blocks, -1 = unused slot.
       block_size: tokens per key block (the last block may be partial).
       softmax_scale: logit scale; default 1/sqrt(D).
+      q_positions: optional int [T] absolute positions of the query rows (some rows of a
+        longer sequence, checked against the whole key sequence); default 0 .. T-1 with S == T.
 
     Returns:
       [B, T, Hq, D] in q.dtype; rows with no visible key are zero.
@@ -121,14 +124,30 @@ def block_sparse_attention_reference(
     Raises:
       ValueError: on inconsistent shapes or block_size < 1.
     """
-    g = validate(q, k, v, block_indices, block_size)
+    if q_positions is None:
+        g = validate(q, k, v, block_indices, block_size)
+        q_positions = jnp.arange(q.shape[1])
+    else:
+        g = check_gqa(q.shape[2], k.shape[2])
+        if q_positions.shape != (q.shape[1],) or block_indices.shape[:2] != q.shape[:2]:
+            raise ValueError(
+                f"q_positions must be [T={q.shape[1]}] and block_indices [B, T, ...]; got "
+                f"{q_positions.shape=} {block_indices.shape=}"
+            )
     b, t, n, h = q.shape
+    s = k.shape[1]
+    nblk = -(-s // block_size)
     scale = default_scale(h, softmax_scale)
     qg = q.astype(jnp.float32).reshape(b, t, n // g, g, h)
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32)) * scale
-    pos = jnp.arange(t)
-    chosen = jnp.any(block_indices[..., None] == (pos // block_size), axis=3)  # [B, T, K, S]
-    mask = chosen.transpose(0, 2, 1, 3) & (pos[None, :] <= pos[:, None])  # [B, K, T, S]
+    # Chosen blocks as a [B, T, K, nblk] set (scatter: O(n_sel + nblk) per row), then per key.
+    idx = block_indices.astype(jnp.int32)
+    idx = jnp.where((idx >= 0) & (idx < nblk), idx, nblk)
+    bi, ti, ki, _ = jnp.indices(idx.shape, sparse=True)
+    chosen = jnp.zeros(idx.shape[:3] + (nblk,), bool).at[bi, ti, ki, idx].set(True, mode="drop")
+    kpos = jnp.arange(s)
+    chosen = chosen[..., kpos // block_size]  # [B, T, K, S]
+    mask = chosen.transpose(0, 2, 1, 3) & (kpos[None, :] <= q_positions[:, None])  # [B, K, T, S]
     p = masked_softmax(logits, mask[:, :, None])
     out = jnp.einsum("BKGTS,BSKH->BTKGH", p, v.astype(jnp.float32))
     return out.reshape(b, t, n, h).astype(q.dtype)

@@ -299,3 +299,21 @@ def test_visits_only_the_selected_blocks(qb, bsz):
             assert np.all(row[:-1][row[:-1] == 1] > 0) and np.all(whole[row[:-1] == 1])
             assert row[-1] < kt // bs  # padding slots: only the tail of the last step
     np.testing.assert_array_equal(vis["dkv"][0, 0], used.T)
+
+
+def test_reference_on_query_rows_matches_the_full_reference():
+    """q_positions: some rows of the sequence against all its keys (the benchmark's check at
+    lengths where the full [T, T] reference does not fit)."""
+    q, k, v, idx = _inputs(1, 18, 2, 2, 8, jnp.float32, n_sel=3, block_size=4, seed=50)
+    rows = jnp.asarray([3, 9, 16, 17])
+
+    @fast_jit
+    def both(q, k, v, idx):
+        full = block_sparse_attention_reference(q, k, v, idx, block_size=4)
+        part = block_sparse_attention_reference(
+            q[:, rows], k, v, idx[:, rows], block_size=4, q_positions=rows
+        )
+        return full[:, rows], part
+
+    full, part = both(q, k, v, idx)
+    np.testing.assert_allclose(part, full, atol=1e-6)
