@@ -163,7 +163,7 @@ class Bench:
                 line[f"compile_s_{p}"], line[f"reps_{p}"] = round(r["compile_s"], 2), r["reps"]
                 if flops is not None:
                     mult = 1.0 if p == "fwd" else 1.0 + BWD_FACTOR
-                    line[f"tflops_{p}"] = round(flops * mult / (r["ms"] * 1e-3) / 1e12, 3)
+                    line[f"tflops_{p}"] = float(f"{flops * mult / (r['ms'] * 1e-3) / 1e12:.4g}")
                 b = (base or {}).get(p)
                 if b is not None:
                     line[f"ratio_vs_cudnn_{p}" if self.gpu else f"ratio_vs_dpa_xla_{p}"] = round(
@@ -198,6 +198,8 @@ def _dpa(causal=True, window=None, impl="xla"):
 
 def _baseline(bench, fn_of_impl, args, cot):
     """cuDNN on GPU (XLA if cuDNN refuses), XLA elsewhere -> (times, impl)."""
+    if not bench.a.baselines:
+        return {}, None
     for impl in ("cudnn", "xla") if bench.gpu else ("xla",):
         fn = fn_of_impl(impl)
         t = bench.measure({"fwd": fn, "fwd_bwd": _fwd_bwd(fn, cot)}, args)
@@ -279,32 +281,42 @@ def bench_sliding_window(bench, a, dtype):
         )
 
 
-def _topk_blocks(rng, b, t, hkv, bs, n_sel, qb):
-    """Per query group: its own block plus random earlier blocks (shared by the group)."""
-    nblk = -(-t // bs)
-    groups = -(-t // qb)
-    first = (np.arange(groups) * qb)[None, :, None, None]
-    scores = rng.random((b, groups, hkv, nblk), np.float32)
-    kb = np.arange(nblk)[None, None, None, :]
-    own = (first + qb - 1).clip(max=t - 1) // bs
-    scores = np.where(kb == own, 2.0, np.where(kb * bs <= first, scores, -1.0))
-    idx = np.argsort(-scores, axis=-1)[..., :n_sel]
-    top = np.take_along_axis(scores, idx, -1)
-    idx = np.where(top >= 0, idx, -1).astype(np.int32)
-    return np.repeat(idx, qb, axis=1)[:, :t]
+def _topk_blocks(key, b, t, hkv, bs, n_sel, qb):
+    """Per query group of ``qb`` tokens: its own block plus random earlier blocks, shared by
+    the group's tokens; drawn on the device in chunks of <= 2^26 scores."""
+    nblk, groups = -(-t // bs), -(-t // qb)
+    chunk = max(1, min(groups, (1 << 26) // (b * hkv * nblk)))
+    n_chunks = -(-groups // chunk)
+    kb = jnp.arange(nblk)
+
+    def one(c):
+        first = (c * chunk + jnp.arange(chunk)) * qb  # first token of each group
+        own = (jnp.minimum(first + qb - 1, t - 1) // bs)[None, :, None, None]
+        s = jax.random.uniform(jax.random.fold_in(key, c), (b, chunk, hkv, nblk))
+        s = jnp.where(kb == own, 2.0, jnp.where(kb * bs <= first[None, :, None, None], s, -1.0))
+        top, idx = jax.lax.top_k(s, n_sel)
+        return jnp.where(top >= 0, idx, -1).astype(jnp.int32)
+
+    idx = jax.lax.map(one, jnp.arange(n_chunks))  # [chunks, B, chunk, K, L]
+    idx = idx.transpose(1, 0, 2, 3, 4).reshape(b, n_chunks * chunk, hkv, n_sel)[:, :groups]
+    return jnp.repeat(idx, qb, axis=1)[:, :t]
+
+
+def _visible_pairs(idx, bs):
+    """(query token, key) pairs the selection lets through, causal, summed over kv heads."""
+    t = jnp.arange(idx.shape[1])[None, :, None, None]
+    pairs = jnp.where(idx >= 0, jnp.clip(t - idx * bs + 1, 0, bs), 0)
+    return jnp.sum(pairs, dtype=jnp.float32)
 
 
 def bench_block_sparse(bench, a, dtype):
     q, k, v, cot = _qkv(1, a.batch, a.seq, a.heads_q, a.heads_kv, a.head_dim, dtype)
     bs, qb, t = a.block_size, a.query_block, a.seq
     n_sel = a.topk_tokens // bs
-    idx_np = _topk_blocks(np.random.default_rng(2), a.batch, t, a.heads_kv, bs, n_sel, qb)
-    visible = np.where(
-        idx_np >= 0, np.clip(np.arange(t)[None, :, None, None] - idx_np * bs + 1, 0, bs), 0
-    ).sum()
+    topk = jax.jit(_topk_blocks, static_argnums=range(1, 7))
+    idx = topk(jax.random.key(2), a.batch, t, a.heads_kv, bs, n_sel, qb)
     g = a.heads_q // a.heads_kv
-    flops = 4.0 * a.head_dim * g * float(visible)
-    idx = jnp.asarray(idx_np)
+    flops = 4.0 * a.head_dim * g * float(jax.jit(_visible_pairs, static_argnums=1)(idx, bs))
     shape = dict(T=t, topk_tokens=a.topk_tokens, block_size=bs, query_block=qb, batch=a.batch)
     shape.update(heads_q=a.heads_q, heads_kv=a.heads_kv, head_dim=a.head_dim)
     shape.update(dtype=jnp.dtype(dtype).name, selected_flops=flops)
@@ -390,7 +402,7 @@ def bench_paged_decode(bench, a, dtype, int8):
     kc = deq(kp, scales.get("k_scales")).reshape(b, max_pages * ps, hkv, d).astype(dtype)
     vc = deq(vp, scales.get("v_scales")).reshape(b, max_pages * ps, hkv, d).astype(dtype)
     base = {}
-    for impl in ("cudnn", "xla") if bench.gpu else ("xla",):
+    for impl in (("cudnn", "xla") if bench.gpu else ("xla",)) if a.baselines else ():
         fn = lambda q_, k_, v_, impl=impl: jax.nn.dot_product_attention(
             q_[:, None], k_, v_, key_value_seq_lengths=lengths, implementation=impl
         )[:, 0]
@@ -459,6 +471,12 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=20.0, help="timed seconds per impl/pass")
     p.add_argument("--check-rows", type=int, default=256, help="query rows checked vs the ref")
     p.add_argument("--no-grad", dest="grad", action="store_false", help="forward only")
+    p.add_argument(
+        "--no-baselines",
+        dest="baselines",
+        action="store_false",
+        help="skip the cuDNN / XLA comparators (another step measured them)",
+    )
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     bench = Bench(a)

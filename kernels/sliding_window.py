@@ -103,8 +103,9 @@ def sliding_window_attention_xla(
     """Blocked XLA implementation; differentiable by autodiff.
 
     ``window >= T`` is plain causal attention: ``jax.nn.dot_product_attention`` (XLA, GQA
-    without repeating K/V, float32 logits and softmax, probabilities in the value dtype), whose
-    gradient ran ~1.5x faster on CPU than autodiff of masked-softmax einsums, same outputs.
+    without repeating K/V, float32 logits and softmax, probabilities in the value dtype): same
+    outputs, and its gradient is cheaper on CPU than autodiff of masked-softmax einsums
+    (``docs/kernels.md``).
     Otherwise the sequence is cut into chunks and each query chunk attends only to the chunks
     the window reaches; matmuls take the input dtype with float32 accumulation and the softmax
     is float32. Shapes as :func:`sliding_window_attention_reference`.
