@@ -32,6 +32,7 @@ import argparse
 import functools
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -130,6 +131,7 @@ class Bench:
             backend=jax.default_backend(),
             devices=f"{jax.device_count()}x{jax.devices()[0].device_kind}",
             device=device_name(),
+            host_cpus=os.cpu_count(),
             jax_version=jax.__version__,
         )
         self.gpu = jax.default_backend() == "gpu"

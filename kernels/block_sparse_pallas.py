@@ -472,6 +472,18 @@ def block_sparse_attention_pallas(
     return o.reshape(b, t, n, h)
 
 
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _visits(q, k, v, block_indices, block_size, query_block, block_sizes):
+    args = (block_size, None, query_block, block_sizes, True)
+    qp, kp, vp, sel, cnt, st, _ = _prepare(q, k, v, block_indices, *args)
+    o, lse, vis_fwd = _forward(qp, kp, vp, sel, cnt, st, instrument=True)
+    do = jnp.ones_like(o)
+    delta = jnp.sum(o.astype(jnp.float32), axis=-1)
+    _, vis_dq = _dq(qp, kp, vp, sel, cnt, do, lse, delta, st, instrument=True)
+    *_, vis_dkv = _dkv(qp, kp, vp, sel, cnt, do, lse, delta, st, instrument=True)
+    return vis_fwd, vis_dq, vis_dkv
+
+
 def block_sparse_visits(
     q: jax.Array,
     k: jax.Array,
@@ -490,13 +502,7 @@ def block_sparse_visits(
        used count (the masked tail of the last step); 'dkv': [B, K, num_blocks, groups]: per
        key block, visits of each query group}.
     """
-    args = (block_size, None, query_block, block_sizes, True)
-    qp, kp, vp, sel, cnt, st, _ = _prepare(q, k, v, block_indices, *args)
-    o, lse, vis_fwd = _forward(qp, kp, vp, sel, cnt, st, instrument=True)
-    do = jnp.ones_like(o)
-    delta = jnp.sum(o.astype(jnp.float32), axis=-1)
-    _, vis_dq = _dq(qp, kp, vp, sel, cnt, do, lse, delta, st, instrument=True)
-    *_, vis_dkv = _dkv(qp, kp, vp, sel, cnt, do, lse, delta, st, instrument=True)
+    vis_fwd, vis_dq, vis_dkv = _visits(q, k, v, block_indices, block_size, query_block, block_sizes)
     nv = vis_fwd.shape[-1]
     nblk = -(-q.shape[1] // block_size)
     # Keys padded for wide dkv tiles add block columns that can never be selected.

@@ -39,7 +39,7 @@ from agentrl_jax.kernels.attention_math import (
 )
 from jax.experimental import pallas as pl
 
-_STEP_TOKENS = 128  # default tokens gathered per inner step
+_STEP_ELEMS = 128 * 128  # default K elements gathered per inner step (128 tokens at H 128)
 _SPLIT_TOKENS = 2048  # default tokens per split
 
 
@@ -63,8 +63,9 @@ class BlockSizes:
             if getattr(self, name) < 0:
                 raise ValueError(f"BlockSizes.{name}={getattr(self, name)} must be >= 0")
 
-    def resolve(self, page_size: int, visible_pages: int) -> tuple[int, int]:
-        """(pages_per_block, pages_per_split) for this page size and visible page count.
+    def resolve(self, page_size: int, visible_pages: int, head_dim: int = 128) -> tuple[int, int]:
+        """(pages_per_block, pages_per_split) for this page size, visible page count and
+        head_dim (wider heads gather fewer tokens per step: shared memory).
 
         Raises:
           ValueError: if pages_per_split is not a multiple of pages_per_block.
@@ -72,7 +73,8 @@ class BlockSizes:
         ppb = self.pages_per_block
         if not ppb:  # a power of two, no wider than the visible pages need
             ppb = min(
-                max(1, _STEP_TOKENS // page_size), 1 << max(0, (visible_pages - 1).bit_length())
+                max(1, _STEP_ELEMS // head_dim // page_size),
+                1 << max(0, (visible_pages - 1).bit_length()),
             )
         pps = self.pages_per_split or max(ppb, _SPLIT_TOKENS // page_size // ppb * ppb)
         if pps % ppb:
@@ -165,7 +167,7 @@ def _call(
     max_pages = block_tables.shape[1]
     g = n // kh
     gp = padded_group(g, interpret)
-    ppb, pps = (block_sizes or BlockSizes()).resolve(ps, visible_pages(max_pages, ps, window))
+    ppb, pps = (block_sizes or BlockSizes()).resolve(ps, visible_pages(max_pages, ps, window), h)
     n_split = -(-visible_pages(max_pages, ps, window) // pps)
     quantized = k_scales is not None
     qg = q.reshape(b, kh, g, h)
@@ -231,7 +233,7 @@ def paged_decode_attention_pallas(
     """Paged decode attention through the split-K Pallas kernel (forward only).
 
     Args: as ``paged_decode_attention``; ``block_sizes`` sets the pages per step and per split
-      (default: 128 tokens per step, 2048 per split).
+      (default: 128 tokens per step at head_dim 128, 2048 per split).
 
     Returns:
       [B, Hq, D] in q.dtype; zeros where lengths[b] == 0.
@@ -277,7 +279,12 @@ def paged_decode_visits(
       table, and in the last column the slots gathered past the split's last live page (the
       masked tail of its last step).
     """
-    scale = default_scale(q.shape[-1], None)
+    args = (q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
+    return np.asarray(_visits(*args, window, block_sizes))
+
+
+@functools.partial(jax.jit, static_argnums=(7, 8))
+def _visits(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, window, block_sizes):
     (_, _, vis), _ = _call(
         q,
         k_pages,
@@ -287,9 +294,9 @@ def paged_decode_visits(
         k_scales,
         v_scales,
         window=window,
-        scale=scale,
+        scale=default_scale(q.shape[-1], None),
         block_sizes=block_sizes,
         interpret=True,
         instrument=True,
     )
-    return np.asarray(vis)
+    return vis

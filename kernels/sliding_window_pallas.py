@@ -84,18 +84,22 @@ class BlockSizes:
         )
 
     @staticmethod
-    def default(seq_len: int, group: int) -> BlockSizes:
-        """Power-of-two tiles of ~128 forward / 64 backward query rows and 64 keys."""
+    def default(seq_len: int, group: int, head_dim: int = 128) -> BlockSizes:
+        """Power-of-two tiles of ~128 forward / 64 backward query rows and 64 keys; half the
+        key rows and two pipeline stages above head_dim 128 (shared memory)."""
         cap = 1 << max(0, (seq_len - 1).bit_length())
         g2 = 1 << max(0, (group - 1).bit_length())
-        tok = lambda rows: max(1, min(cap, rows // g2))
+        wide = head_dim > 128
+        tok = lambda rows: max(1, min(cap, rows // g2 // (2 if wide else 1)))
+        keys = min(32 if wide else 64, cap)
         return BlockSizes(
             block_q=tok(_ROWS["fwd"]),
-            block_k=min(64, cap),
+            block_k=keys,
             block_q_dq=tok(_ROWS["dq"]),
-            block_k_dq=min(64, cap),
+            block_k_dq=keys,
             block_q_dkv=tok(_ROWS["dkv"]),
-            block_k_dkv=min(64, cap),
+            block_k_dkv=keys,
+            num_stages=2 if wide else 3,
         )
 
     def tiles(self) -> tuple[int, ...]:
@@ -360,7 +364,7 @@ def _prepare(q, k, v, block_sizes, interpret):
     kh = k.shape[2]
     g = n // kh
     if block_sizes is None:
-        block_sizes = BlockSizes.default(t, g)
+        block_sizes = BlockSizes.default(t, g, h)
         tiles = block_sizes.tiles()
         pad = -t % max(tiles)
     else:
@@ -432,6 +436,12 @@ def sliding_window_visits(
        'dkv': [B, K, T/block_k, T/block_q] per key block and query block}: 0 not visited,
       1 visited without a mask, 2 visited with the band mask (3+ would be a repeat).
     """
+    vis = _visits(q, k, v, window, block_sizes)
+    return {name: np.asarray(x) for name, x in zip(("fwd", "dq", "dkv"), vis)}
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _visits(q, k, v, window, block_sizes):
     scale = default_scale(q.shape[-1], None)
     qp, kp, vp, bs, _ = _prepare(q, k, v, block_sizes, True)
     o, lse, vis_fwd = _forward(qp, kp, vp, window, scale, bs, True, instrument=True)
@@ -439,4 +449,4 @@ def sliding_window_visits(
     delta = jnp.sum(o.astype(jnp.float32), axis=-1)
     _, vis_dq = _dq(qp, kp, vp, do, lse, delta, window, scale, bs, True, instrument=True)
     *_, vis_dkv = _dkv(qp, kp, vp, do, lse, delta, window, scale, bs, True, instrument=True)
-    return {name: np.asarray(x) for name, x in (("fwd", vis_fwd), ("dq", vis_dq), ("dkv", vis_dkv))}
+    return vis_fwd, vis_dq, vis_dkv

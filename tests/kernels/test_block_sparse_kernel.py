@@ -243,14 +243,16 @@ def test_pallas_tpu_gradients_match_reference(qb):
 def test_normalize_and_compact_selection():
     # block_size 4, query_block 2: group 0 (tokens 0-1) sees block 0 only, group 1 (2-3) too.
     raw = jnp.asarray([[[[-1, 2, 0, 1], [1, -1, 1, 9]], [[-1, -1, -1, -1], [3, 0, -1, 2]]]])
-    idx = normalize_block_indices(raw, 4)  # sorted set, -1 last; 9 out of range, 1 repeated
+    idx = fast_jit(normalize_block_indices, static_argnums=1)(raw, 4)
+    # a sorted set, -1 last; 9 is out of range, 1 repeated
     np.testing.assert_array_equal(idx[0, 0], [[0, 1, 2, -1], [1, -1, -1, -1]])
     np.testing.assert_array_equal(idx[0, 1], [[-1] * 4, [0, 2, 3, -1]])
-    blocks, counts = compact_selection(idx, 4, 2)
+    compact = fast_jit(compact_selection, static_argnums=(1, 2))
+    blocks, counts = compact(idx, 4, 2)
     np.testing.assert_array_equal(counts[..., 0], [[[1, 0], [0, 1]]])
     np.testing.assert_array_equal(counts[..., 1], [[[0, 0], [0, 0]]])  # own block: masked
     np.testing.assert_array_equal(blocks[0, 0, 0], [0, 0, 0, 0])
-    blocks, counts = compact_selection(idx, 1, 2)  # 1-token blocks: tokens 2-3 see 0..3
+    blocks, counts = compact(idx, 1, 2)  # 1-token blocks: tokens 2-3 see 0..3
     np.testing.assert_array_equal(counts[..., 0], [[[2, 1], [0, 3]]])
     np.testing.assert_array_equal(counts[..., 1], [[[1, 1], [0, 2]]])  # ending <= first token
     np.testing.assert_array_equal(blocks[0, 0, 0], [0, 1, 1, 1])  # tail repeats the last used

@@ -8,6 +8,7 @@ query group's used blocks.
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -60,9 +61,12 @@ def test_block_sparse_copies_only_used_blocks(qb, bs):
     nblk = -(-t // bs)
     raw = rng.integers(-1, nblk + 2, (b, t, kh, n_sel)).astype(np.int32)
     raw = np.repeat(raw[:, ::qb], qb, axis=1)[:, :t]
-    idx = normalize_block_indices(jnp.asarray(raw[:, ::qb]), nblk).transpose(0, 2, 1, 3)
-    blocks, counts = compact_selection(idx, bs, qb)
-    groups = idx.shape[2]
+    select = jax.jit(
+        lambda r: compact_selection(normalize_block_indices(r, nblk).transpose(0, 2, 1, 3), bs, qb)
+    )
+    blocks, counts = select(jnp.asarray(raw[:, ::qb]))
+    counts = np.asarray(counts)
+    groups = blocks.shape[2]
     flat = np.asarray(blocks).reshape(-1)
     index = functools.partial(
         block_sparse_tpu.kv_block_index, kv_heads=kh, groups=groups, n_sel=n_sel
