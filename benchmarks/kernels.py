@@ -178,6 +178,8 @@ class Bench:
         line["tflops"] = line.get(f"tflops_{best}")
         line["ratio_vs_cudnn"] = line.get(f"ratio_vs_cudnn_{best}")
         line["rel_err_vs_reference"] = err
+        if impl == "pallas" and not self.gpu and jax.default_backend() != "tpu":
+            line["interpret"] = True  # Pallas interpret mode: the interpreter's time
         line.update(extra)
         self.emit(**line)
 
