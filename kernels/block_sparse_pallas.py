@@ -46,7 +46,11 @@ from agentrl_jax.kernels.attention_math import (
     padded_group,
     qk_logits,
 )
-from agentrl_jax.kernels.block_sparse_xla import compact_selection, normalize_block_indices
+from agentrl_jax.kernels.block_sparse_xla import (
+    compact_selection,
+    inverse_selection,
+    normalize_block_indices,
+)
 from jax.experimental import pallas as pl
 
 
@@ -315,26 +319,6 @@ def _dq(q, k, v, sel, cnt, do, lse, delta, st, instrument=False):
     grid = (b, kh, tq // st.qt)
     args = (q, k, v, sel, cnt, do, lse, delta)
     return _call(kernel, st, grid, in_specs, out_specs, out_shape, *args)
-
-
-def inverse_selection(sel: jax.Array, cnt: jax.Array, num_blocks: int):
-    """Per (batch, kv head): the query groups that used each block, grouped by block.
-
-    Args:
-      sel, cnt: compacted selection [B, K, groups, L] and counts [B, K, groups, 2].
-      num_blocks: key blocks.
-
-    Returns:
-      (groups int32 [B, K, groups * L], offsets int32 [B, K, num_blocks + 1]): the groups that
-      used block j are ``groups[offsets[j]:offsets[j + 1]]``, ascending.
-    """
-    b, kh, ng, n_sel = sel.shape
-    flat = jnp.where(jnp.arange(n_sel) < cnt[..., :1], sel, num_blocks).reshape(b, kh, -1)
-    order = jnp.argsort(flat, axis=-1, stable=True)
-    ordered = jnp.take_along_axis(flat, order, axis=-1)
-    edges = jnp.arange(num_blocks + 1, dtype=flat.dtype)
-    offsets = jax.vmap(jax.vmap(lambda f: jnp.searchsorted(f, edges, side="left")))(ordered)
-    return (order // n_sel).astype(jnp.int32), offsets.astype(jnp.int32)
 
 
 def _dkv(q, k, v, sel, cnt, do, lse, delta, st, instrument=False):

@@ -96,6 +96,26 @@ def compact_selection(idx: jax.Array, block_size: int, query_block: int):
     return blocks.astype(jnp.int32), jnp.stack([count, n_whole], axis=-1)
 
 
+def inverse_selection(sel: jax.Array, cnt: jax.Array, num_blocks: int):
+    """Per (batch, kv head): the query groups that used each block, grouped by block.
+
+    Args:
+      sel, cnt: compacted selection [B, K, groups, L] and counts [B, K, groups, 2].
+      num_blocks: key blocks.
+
+    Returns:
+      (groups int32 [B, K, groups * L], offsets int32 [B, K, num_blocks + 1]): the groups that
+      used block j are ``groups[offsets[j]:offsets[j + 1]]``, ascending.
+    """
+    b, kh, ng, n_sel = sel.shape
+    flat = jnp.where(jnp.arange(n_sel) < cnt[..., :1], sel, num_blocks).reshape(b, kh, -1)
+    order = jnp.argsort(flat, axis=-1, stable=True)
+    ordered = jnp.take_along_axis(flat, order, axis=-1)
+    edges = jnp.arange(num_blocks + 1, dtype=flat.dtype)
+    offsets = jax.vmap(jax.vmap(lambda f: jnp.searchsorted(f, edges, side="left")))(ordered)
+    return (order // n_sel).astype(jnp.int32), offsets.astype(jnp.int32)
+
+
 def block_sparse_attention_reference(
     q: jax.Array,
     k: jax.Array,
