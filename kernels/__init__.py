@@ -1,23 +1,21 @@
 """Attention kernels (installed as ``agentrl_jax.kernels``).
 
-Each op has a pure-jnp ``*_reference``, a blocked XLA implementation and a Pallas kernel,
-selected with ``impl='auto'|'xla'|'pallas'`` ('auto': Pallas on GPU/TPU, XLA on CPU). All of
+Each op has a pure-jnp ``*_reference``, a blocked XLA implementation and Pallas kernels, chosen
+with ``impl='auto'|'xla'|'pallas'|...``; ``select.select_impl`` is the one rule behind 'auto'
+(per op, backend, shapes and dtype; it never picks a kernel that does not lower there). All of
 them compute the softmax and accumulate in float32 whatever the input dtype, and return zeros
 for a query row that sees no key. This package imports only jax/numpy.
 
 The 'pallas' kernels are generic Pallas: ``interpret=True`` runs them on CPU; on GPU they select
-the Triton lowering (tiles, ``block_size`` and ``page_size`` should be powers of two >= 16).
-Tile sizes live in each kernel module's frozen ``BlockSizes``.
-
-paged_decode_attention and block_sparse_attention also have ``impl='pallas_tpu'``
-(``paged_decode_tpu``, ``block_sparse_tpu``): Mosaic TPU kernels whose BlockSpec index maps read
-scalar-prefetched block tables / block selections, so the pipeline DMAs only the pages / key
-blocks used. 'auto' picks them on TPU; an explicit 'pallas' keeps the generic kernel on any
-backend. On CPU they run with ``interpret=True`` or ``interpret=pltpu.InterpretParams()``
-(TPU semantics: simulated DMAs and memories); compiled, they need a TPU backend.
+the Triton lowering (power-of-two tiles). paged_decode_attention and block_sparse_attention also
+have ``impl='pallas_tpu'`` (``paged_decode_tpu``, ``block_sparse_tpu``): Mosaic TPU kernels whose
+BlockSpec index maps read scalar-prefetched block tables / block selections, so the pipeline
+DMAs only the pages / key blocks used. On CPU they run with ``interpret=True`` or
+``interpret=pltpu.InterpretParams()`` (TPU semantics); compiled, they need a TPU backend.
+sliding_window_attention also has ``impl='cudnn'`` (GPU: ``jax.nn.dot_product_attention`` with
+its sliding-window mask).
 """
 
-from agentrl_jax.kernels.attention_math import IMPLS, resolve_impl
 from agentrl_jax.kernels.block_sparse import (
     block_sparse_attention,
     block_sparse_attention_reference,
@@ -29,6 +27,7 @@ from agentrl_jax.kernels.paged_decode import (
     paged_decode_attention_reference,
     paged_decode_attention_xla,
 )
+from agentrl_jax.kernels.select import IMPLS, OP_IMPLS, OpShape, select_impl
 from agentrl_jax.kernels.sliding_window import (
     sliding_window_attention,
     sliding_window_attention_reference,
@@ -37,6 +36,8 @@ from agentrl_jax.kernels.sliding_window import (
 
 __all__ = [
     "IMPLS",
+    "OP_IMPLS",
+    "OpShape",
     "block_sparse_attention",
     "block_sparse_attention_reference",
     "block_sparse_attention_xla",
@@ -44,7 +45,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "paged_decode_attention_xla",
-    "resolve_impl",
+    "select_impl",
     "sliding_window_attention",
     "sliding_window_attention_reference",
     "sliding_window_attention_xla",

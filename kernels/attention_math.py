@@ -1,4 +1,4 @@
-"""Shared pieces of the attention ops: impl selection, softmax scale, masked fp32 softmax.
+"""Shared pieces of the attention ops: softmax scale, masked fp32 softmax, flash-attention steps.
 
 Conventions used by every op in this package: softmax and accumulation run in float32 whatever
 the input dtype, and a query row that sees no key at all returns zeros (not NaN, not a uniform
@@ -11,35 +11,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-
-IMPLS = ("auto", "xla", "pallas", "pallas_tpu")
-
-
-def resolve_impl(impl: str, has_tpu_variant: bool = False) -> str:
-    """Maps ``impl`` to a concrete implementation name.
-
-    Args:
-      impl: 'auto', 'xla', 'pallas' (the generic kernel: Triton on GPU, interpret on CPU) or
-        'pallas_tpu' (the scalar-prefetch Mosaic TPU kernel; only ops that have one). 'auto'
-        picks 'pallas_tpu' on TPU for ops that have it, else 'pallas' on GPU/TPU and 'xla' on
-        CPU. An explicit 'pallas' is honoured on every backend.
-      has_tpu_variant: whether the calling op has a 'pallas_tpu' kernel.
-
-    Returns:
-      'xla', 'pallas' or 'pallas_tpu'.
-
-    Raises:
-      ValueError: if ``impl`` is unknown, or 'pallas_tpu' for an op without that kernel.
-    """
-    allowed = IMPLS if has_tpu_variant else IMPLS[:3]
-    if impl not in allowed:
-        raise ValueError(f"impl={impl!r}; allowed: {', '.join(repr(i) for i in allowed)}")
-    if impl == "auto":
-        backend = jax.default_backend()
-        if backend == "tpu" and has_tpu_variant:
-            return "pallas_tpu"
-        return "pallas" if backend in ("gpu", "tpu") else "xla"
-    return impl
 
 
 def default_scale(head_dim: int, softmax_scale: float | None) -> float:
@@ -73,22 +44,28 @@ def check_gqa(q_heads: int, kv_heads: int) -> int:
 
 
 def online_softmax_step(
-    carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, v: jax.Array
+    carry: tuple[jax.Array, jax.Array, jax.Array],
+    s: jax.Array,
+    v: jax.Array,
+    v_col_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One flash-attention step: folds a block of masked logits into fp32 (m_i, l_i, acc).
 
     Args:
       carry: running max m_i [R], normaliser l_i [R], unnormalised output acc [R, H] (fp32).
       s: [R, C] fp32 logits of this key block, -inf where masked.
-      v: [C, H] values of this key block (input dtype; the probabilities are cast to it).
+      v: [C, H] values of this key block (the probabilities are cast to its dtype).
+      v_col_scale: optional fp32 [C] factor of each value row (int8 dequantisation), applied
+        to the probabilities' columns before the matmul so V itself is never rescaled.
     """
     m_prev, l_prev, acc = carry
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
     alpha = jnp.exp(m_prev - m_safe)
     p = jnp.exp(s - m_safe[:, None])
+    pw = p if v_col_scale is None else p * v_col_scale[None, :]
     pv = jax.lax.dot_general(
-        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        pw.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
     )
     return m_new, alpha * l_prev + jnp.sum(p, axis=-1), alpha[:, None] * acc + pv
 

@@ -38,33 +38,13 @@ from agentrl_jax.kernels.attention_math import (
     online_softmax_update_cols,
     qk_logits,
 )
-from agentrl_jax.kernels.block_sparse import block_sparse_attention_xla, normalize_block_indices
+from agentrl_jax.kernels.block_sparse_xla import (
+    block_sparse_attention_xla,
+    compact_selection,
+    normalize_block_indices,
+)
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-
-
-def compact_selection(idx: jax.Array, block_size: int, query_block: int):
-    """Used blocks first, the tail repeating the last used one; and per-row counts.
-
-    Args:
-      idx: int32 [B, K, groups, L] normalised selection (-1 unused, no repeats).
-      block_size, query_block: as the op; a block is used iff selected and not entirely after
-        the group's last token.
-
-    Returns:
-      (blocks [B, K, groups, L] int32, counts [B, K, groups] int32); rows with no used block
-      hold block 0 (fetched, never read).
-    """
-    n_sel = idx.shape[-1]
-    last_tok = (jnp.arange(idx.shape[2]) * query_block + query_block - 1)[:, None]
-    used = (idx >= 0) & (idx * block_size <= last_tok)
-    order = jnp.argsort(~used, axis=-1, stable=True)
-    blocks = jnp.take_along_axis(idx, order, axis=-1)
-    counts = jnp.sum(used, axis=-1, dtype=jnp.int32)
-    last = jnp.take_along_axis(blocks, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
-    last = jnp.where(counts[..., None] > 0, last, 0)
-    blocks = jnp.where(jnp.arange(n_sel) < counts[..., None], blocks, last)
-    return blocks.astype(jnp.int32), counts
 
 
 def _kernel(
@@ -97,9 +77,14 @@ def _kernel(
         o_ref[...] = (acc_sc[...] / jnp.where(l_i > 0, l_i, 1.0)).astype(o_ref.dtype)
 
 
-def tpu_tiles_ok(rows: int, groups: int, block_size: int, num_blocks: int) -> bool:
-    """Whether the compiled TPU kernel can block these tiles (rows = query_block * G)."""
-    return (rows % 8 == 0 or groups == 1) and (block_size % 8 == 0 or num_blocks == 1)
+def kv_block_index(b, n, i, sl, blk_ref, cnt_ref, *, kv_heads, groups, n_sel):
+    """K/V BlockSpec index map at grid point (b, n, i, sl): the compacted selection's block.
+
+    Consecutive grid steps that map to the same block issue no copy, so the DMAs of one query
+    group are its used blocks (``tests/kernels/test_tpu_dmas_kernel.py`` counts them).
+    """
+    del cnt_ref
+    return (b, n, blk_ref[((b * kv_heads + n) * groups + i) * n_sel + sl], 0)
 
 
 def _check_tpu_tiles(rows, groups, bs, nblk):
@@ -108,7 +93,7 @@ def _check_tpu_tiles(rows, groups, bs, nblk):
             f"query_block * G = {rows} must be a multiple of 8 for the compiled TPU kernel "
             "(TPU block tiling); use interpret mode or a larger query_block"
         )
-    if not tpu_tiles_ok(rows, groups, bs, nblk):
+    if bs % 8 and nblk > 1:
         raise ValueError(f"block_size={bs} must be a multiple of 8 for the compiled TPU kernel")
 
 
@@ -121,12 +106,11 @@ def _forward(q, k, v, idx, scale, bs, qb, interpret):
     if not interpret:
         _check_tpu_tiles(rows, groups, bs, nblk)
     blocks, counts = compact_selection(idx, bs, qb)
+    counts = counts[..., 0]
     row_tok = jnp.asarray((np.arange(rows) // (rows // qb))[:, None].astype(np.int32))
     q_spec = pl.BlockSpec((None, None, rows, h), lambda b_, n, i, sl, *_: (b_, n, i, 0))
 
-    def kv_index(b_, n, i, sl, blk_ref, cnt_ref):
-        return (b_, n, blk_ref[((b_ * kh + n) * groups + i) * n_sel + sl], 0)
-
+    kv_index = functools.partial(kv_block_index, kv_heads=kh, groups=groups, n_sel=n_sel)
     kv_spec = pl.BlockSpec((None, None, bs, h), kv_index)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,

@@ -18,12 +18,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from agentrl_jax.kernels.attention_math import (
-    check_gqa,
-    default_scale,
-    masked_softmax,
-    resolve_impl,
-)
+from agentrl_jax.kernels.attention_math import check_gqa, default_scale, masked_softmax
+from agentrl_jax.kernels.paged_decode_pallas import paged_decode_attention_pallas
+from agentrl_jax.kernels.paged_decode_tpu import paged_decode_attention_pallas_tpu
+from agentrl_jax.kernels.select import OpShape, dtype_name, select_impl
 
 
 def _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales) -> int:
@@ -180,6 +178,21 @@ def paged_decode_attention_xla(
     return out.astype(q.dtype)
 
 
+def op_shape(q: jax.Array, k_pages: jax.Array, block_tables: jax.Array) -> OpShape:
+    """The static facts ``select_impl`` decides on."""
+    b, n, h = q.shape
+    kh = k_pages.shape[2]
+    return OpShape(
+        head_dim=h,
+        group=n // kh,
+        dtype=dtype_name(q),
+        batch=b,
+        kv_heads=kh,
+        page_size=k_pages.shape[1],
+        max_pages=block_tables.shape[1],
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("window", "softmax_scale", "impl", "interpret"))
 def paged_decode_attention(
     q: jax.Array,
@@ -207,9 +220,10 @@ def paged_decode_attention(
       k_scales: [P, Hkv] float dequantisation scales, required iff pages are int8.
       v_scales: [P, Hkv] float dequantisation scales, required iff pages are int8.
       softmax_scale: logit scale; default 1/sqrt(D).
-      impl: 'xla', 'pallas' (generic kernel, gathers pages from the pool in the kernel),
-        'pallas_tpu' (scalar-prefetch Mosaic kernel: the block table drives the page DMAs) or
-        'auto' ('pallas_tpu' on TPU, 'pallas' on GPU, 'xla' on CPU).
+      impl: 'xla', 'pallas' (split-K generic kernel gathering pages through the block table:
+        Triton on GPU, interpret mode on CPU), 'pallas_tpu' (scalar-prefetch Mosaic kernel:
+        the block table drives the page DMAs) or 'auto' (``select.select_impl``: the Triton
+        kernel on GPU and the Mosaic one on TPU where they fit, else XLA; XLA on CPU).
       interpret: run the Pallas kernel in interpret mode (CPU testing): True, or for
         'pallas_tpu' also ``pltpu.InterpretParams()`` (TPU semantics).
 
@@ -220,19 +234,12 @@ def paged_decode_attention(
       ValueError: on inconsistent shapes/dtypes, missing or superfluous scales, window < 1 or an
         unknown impl.
     """
-    impl = resolve_impl(impl, has_tpu_variant=True)
-    kwargs = dict(window=window, k_scales=k_scales, v_scales=v_scales, softmax_scale=softmax_scale)
-    if impl == "xla":
-        return paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths, **kwargs)
     _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales)
+    impl = select_impl("paged_decode", impl, op_shape(q, k_pages, block_tables))
+    kwargs = dict(window=window, k_scales=k_scales, v_scales=v_scales, softmax_scale=softmax_scale)
+    args = (q, k_pages, v_pages, block_tables, lengths)
+    if impl == "xla":
+        return paged_decode_attention_xla(*args, **kwargs)
     if impl == "pallas_tpu":
-        from agentrl_jax.kernels.paged_decode_tpu import paged_decode_attention_pallas_tpu
-
-        return paged_decode_attention_pallas_tpu(
-            q, k_pages, v_pages, block_tables, lengths, interpret=interpret, **kwargs
-        )
-    from agentrl_jax.kernels.paged_decode_pallas import paged_decode_attention_pallas
-
-    return paged_decode_attention_pallas(
-        q, k_pages, v_pages, block_tables, lengths, interpret=interpret, **kwargs
-    )
+        return paged_decode_attention_pallas_tpu(*args, interpret=interpret, **kwargs)
+    return paged_decode_attention_pallas(*args, interpret=interpret, **kwargs)

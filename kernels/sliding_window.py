@@ -13,12 +13,9 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-from agentrl_jax.kernels.attention_math import (
-    check_gqa,
-    default_scale,
-    masked_softmax,
-    resolve_impl,
-)
+from agentrl_jax.kernels.attention_math import check_gqa, default_scale, masked_softmax
+from agentrl_jax.kernels.select import OpShape, dtype_name, select_impl
+from agentrl_jax.kernels.sliding_window_pallas import sliding_window_attention_pallas
 
 # Largest query chunk of the blocked XLA path: logits per chunk are [C, C * (n_prev + 1)].
 _XLA_MAX_CHUNK = 256
@@ -106,8 +103,9 @@ def sliding_window_attention_xla(
     """Blocked XLA implementation; differentiable by autodiff.
 
     ``window >= T`` is plain causal attention: ``jax.nn.dot_product_attention`` (XLA, GQA
-    without repeating K/V, float32 logits and softmax, probabilities in the value dtype), whose
-    gradient ran ~1.5x faster on CPU than autodiff of masked-softmax einsums, same outputs.
+    without repeating K/V, float32 logits and softmax, probabilities in the value dtype): same
+    outputs, and its gradient is cheaper on CPU than autodiff of masked-softmax einsums
+    (``docs/kernels.md``).
     Otherwise the sequence is cut into chunks and each query chunk attends only to the chunks
     the window reaches; matmuls take the input dtype with float32 accumulation and the softmax
     is float32. Shapes as :func:`sliding_window_attention_reference`.
@@ -120,6 +118,29 @@ def sliding_window_attention_xla(
         )
         return out.astype(q.dtype)
     return _banded_xla(q, k, v, window, scale, g)
+
+
+def sliding_window_attention_cudnn(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, softmax_scale: float | None = None
+) -> jax.Array:
+    """cuDNN flash attention (``jax.nn.dot_product_attention``) with its sliding-window mask.
+
+    GPU only; bf16/fp16 inputs, head_dim a multiple of 8 up to 128 (cuDNN's limits). Shapes as
+    :func:`sliding_window_attention_reference`.
+    """
+    _validate(q, k, v, window)
+    scale = default_scale(q.shape[-1], softmax_scale)
+    local = None if window >= q.shape[1] else (window - 1, 0)
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation="cudnn"
+    )
+
+
+def op_shape(q: jax.Array, k: jax.Array) -> OpShape:
+    """The static facts ``select_impl`` decides on."""
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    return OpShape(head_dim=h, group=n // kh, dtype=dtype_name(q), seq_len=t, batch=b, kv_heads=kh)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "softmax_scale", "impl", "interpret"))
@@ -142,7 +163,9 @@ def sliding_window_attention(
       window: keys per query, >= 1: query t sees keys t - window + 1 .. t; window >= T is
         dense causal attention.
       softmax_scale: logit scale; default 1/sqrt(D).
-      impl: 'xla', 'pallas' or 'auto' (Pallas on GPU/TPU, XLA on CPU).
+      impl: 'xla', 'pallas' (generic kernel: Triton on GPU, interpret mode on CPU), 'cudnn'
+        (GPU) or 'auto' (``select.select_impl``: cuDNN on GPU where it applies, else the
+        Triton kernel where it tiles; XLA on CPU and TPU).
       interpret: run the Pallas kernel in interpret mode (CPU testing).
 
     Returns:
@@ -151,12 +174,12 @@ def sliding_window_attention(
     Raises:
       ValueError: on inconsistent shapes, window < 1 or an unknown impl.
     """
-    impl = resolve_impl(impl)
+    _validate(q, k, v, window)
+    impl = select_impl("sliding_window", impl, op_shape(q, k))
     if impl == "xla":
         return sliding_window_attention_xla(q, k, v, window=window, softmax_scale=softmax_scale)
-    from agentrl_jax.kernels.sliding_window_pallas import sliding_window_attention_pallas
-
-    _validate(q, k, v, window)
+    if impl == "cudnn":
+        return sliding_window_attention_cudnn(q, k, v, window=window, softmax_scale=softmax_scale)
     return sliding_window_attention_pallas(
         q, k, v, window=window, softmax_scale=softmax_scale, interpret=interpret
     )

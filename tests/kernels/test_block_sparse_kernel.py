@@ -12,8 +12,12 @@ from agentrl_jax.kernels import (
     block_sparse_attention_reference,
     sliding_window_attention_reference,
 )
-from agentrl_jax.kernels.block_sparse_pallas import block_sparse_attention_pallas
-from agentrl_jax.kernels.block_sparse_tpu import compact_selection
+from agentrl_jax.kernels.block_sparse_pallas import (
+    BlockSizes,
+    block_sparse_attention_pallas,
+    block_sparse_visits,
+)
+from agentrl_jax.kernels.block_sparse_xla import compact_selection, normalize_block_indices
 from jax.experimental.pallas import tpu as pltpu
 
 # One unoptimised XLA compile per case: XLA's CPU backend optimisations dominate test time.
@@ -24,6 +28,13 @@ GRAD_TOL = dict(atol=1e-4, rtol=1e-4)  # float32 inputs
 IMPLS = {
     "xla": functools.partial(block_sparse_attention, impl="xla"),
     "pallas": functools.partial(block_sparse_attention_pallas, interpret=True),
+    # Two selected blocks gathered per step, dk/dv over 8-row tiles of 4-token blocks (the
+    # padded-tile path small blocks take on GPU).
+    "pallas-gather": functools.partial(
+        block_sparse_attention_pallas,
+        block_sizes=BlockSizes(keys_per_step=8, dkv_keys=8),
+        interpret=True,
+    ),
 }
 
 
@@ -145,6 +156,13 @@ def test_query_block_shared_selection(impl):
         return jnp.sum(f(q, k, v, idx, block_size=4) * w)
 
     fn = functools.partial(IMPLS[impl], query_block=4)
+    if impl == "pallas-gather":  # two 2-token tiles per query group
+        fn = functools.partial(
+            block_sparse_attention_pallas,
+            query_block=4,
+            block_sizes=BlockSizes(keys_per_step=8, query_tile=2, dkv_keys=8),
+            interpret=True,
+        )
 
     @fast_jit
     def run(q, k, v):
@@ -222,13 +240,82 @@ def test_pallas_tpu_gradients_match_reference(qb):
         np.testing.assert_allclose(a, b, **GRAD_TOL)
 
 
-def test_compact_selection_puts_used_blocks_first():
-    # block_size 4, query_block 2: group 0 sees block 0 only, group 1 (tokens 2-3) too.
-    idx = jnp.asarray([[[[-1, 2, 0, 1], [1, -1, -1, -1]], [[-1, -1, -1, -1], [3, 0, -1, 2]]]])
-    blocks, counts = compact_selection(idx.astype(jnp.int32), 4, 2)
-    np.testing.assert_array_equal(counts, [[[1, 0], [0, 1]]])
-    np.testing.assert_array_equal(blocks, [[[[0, 0, 0, 0], [0, 0, 0, 0]], [[0] * 4, [0] * 4]]])
-    blocks, counts = compact_selection(idx.astype(jnp.int32), 1, 2)  # 1-token blocks
-    np.testing.assert_array_equal(counts, [[[2, 1], [0, 3]]])
-    np.testing.assert_array_equal(blocks[0, 0, 0], [0, 1, 1, 1])
-    np.testing.assert_array_equal(blocks[0, 1, 1], [3, 0, 2, 2])
+def test_normalize_and_compact_selection():
+    # block_size 4, query_block 2: group 0 (tokens 0-1) sees block 0 only, group 1 (2-3) too.
+    raw = jnp.asarray([[[[-1, 2, 0, 1], [1, -1, 1, 9]], [[-1, -1, -1, -1], [3, 0, -1, 2]]]])
+    idx = fast_jit(normalize_block_indices, static_argnums=1)(raw, 4)
+    # a sorted set, -1 last; 9 is out of range, 1 repeated
+    np.testing.assert_array_equal(idx[0, 0], [[0, 1, 2, -1], [1, -1, -1, -1]])
+    np.testing.assert_array_equal(idx[0, 1], [[-1] * 4, [0, 2, 3, -1]])
+    compact = fast_jit(compact_selection, static_argnums=(1, 2))
+    blocks, counts = compact(idx, 4, 2)
+    np.testing.assert_array_equal(counts[..., 0], [[[1, 0], [0, 1]]])
+    np.testing.assert_array_equal(counts[..., 1], [[[0, 0], [0, 0]]])  # own block: masked
+    np.testing.assert_array_equal(blocks[0, 0, 0], [0, 0, 0, 0])
+    blocks, counts = compact(idx, 1, 2)  # 1-token blocks: tokens 2-3 see 0..3
+    np.testing.assert_array_equal(counts[..., 0], [[[2, 1], [0, 3]]])
+    np.testing.assert_array_equal(counts[..., 1], [[[1, 1], [0, 2]]])  # ending <= first token
+    np.testing.assert_array_equal(blocks[0, 0, 0], [0, 1, 1, 1])  # tail repeats the last used
+    np.testing.assert_array_equal(blocks[0, 1, 1], [0, 2, 3, 3])
+
+
+def _used_blocks(idx, t, bs, qb):
+    """[group, block] -> 1 where the group's selection uses the block (numpy, from scratch)."""
+    idx = np.asarray(idx)[0, ::qb, 0]  # [groups, n_sel], batch 0, kv head 0
+    nblk = -(-t // bs)
+    used = np.zeros((idx.shape[0], nblk), np.int32)
+    for gi, row in enumerate(idx):
+        for blk in row:
+            if 0 <= blk < nblk and blk * bs <= gi * qb + qb - 1:
+                used[gi, blk] = 1
+    return used
+
+
+@pytest.mark.parametrize(
+    "qb,bsz",
+    [
+        (1, BlockSizes(keys_per_step=8)),
+        (4, BlockSizes(keys_per_step=8, query_tile=2, dkv_keys=8)),
+        (2, BlockSizes(keys_per_step=4)),
+    ],
+)
+def test_visits_only_the_selected_blocks(qb, bsz):
+    """Forward and dq programs read exactly their group's used blocks (selected, not in the
+    future; repeats and out-of-range ids dropped), each once, masking only the ones the group's
+    first token does not see whole; at most one partial step of padding slots. dk/dv programs
+    visit exactly the query groups that used their block."""
+    t, bs = 18, 4
+    q, k, v, idx = _inputs(1, t, 1, 2, 8, jnp.float32, n_sel=3, block_size=bs, seed=40 + qb)
+    idx = jnp.repeat(idx[:, ::qb], qb, axis=1)[:, :t]
+    vis = block_sparse_visits(q, k, v, idx, block_size=bs, query_block=qb, block_sizes=bsz)
+    used = _used_blocks(idx, t, bs, qb)  # [groups, nblk]
+    kt = bsz.keys_per_step
+    tiles_per_group = qb // (bsz.query_tile or qb)
+    for name in ("fwd", "dq"):
+        got = vis[name][0, 0]  # [tiles, nblk + 1]
+        for tile, row in enumerate(got):
+            grp = tile // tiles_per_group
+            np.testing.assert_array_equal(row[:-1] > 0, used[grp] > 0)
+            assert row[:-1].max() <= 2  # never twice
+            whole = np.arange(used.shape[1]) * bs + bs - 1 <= grp * qb
+            assert np.all(row[:-1][row[:-1] == 1] > 0) and np.all(whole[row[:-1] == 1])
+            assert row[-1] < kt // bs  # padding slots: only the tail of the last step
+    np.testing.assert_array_equal(vis["dkv"][0, 0], used.T)
+
+
+def test_reference_on_query_rows_matches_the_full_reference():
+    """q_positions: some rows of the sequence against all its keys (the benchmark's check at
+    lengths where the full [T, T] reference does not fit)."""
+    q, k, v, idx = _inputs(1, 18, 2, 2, 8, jnp.float32, n_sel=3, block_size=4, seed=50)
+    rows = jnp.asarray([3, 9, 16, 17])
+
+    @fast_jit
+    def both(q, k, v, idx):
+        full = block_sparse_attention_reference(q, k, v, idx, block_size=4)
+        part = block_sparse_attention_reference(
+            q[:, rows], k, v, idx[:, rows], block_size=4, q_positions=rows
+        )
+        return full[:, rows], part
+
+    full, part = both(q, k, v, idx)
+    np.testing.assert_allclose(part, full, atol=1e-6)

@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from agentrl_jax.kernels import (
-    paged_decode_attention,
-    paged_decode_attention_reference,
-    resolve_impl,
+from agentrl_jax.kernels import paged_decode_attention, paged_decode_attention_reference
+from agentrl_jax.kernels.paged_decode_pallas import (
+    BlockSizes,
+    paged_decode_attention_pallas,
+    paged_decode_visits,
 )
-from agentrl_jax.kernels.paged_decode_pallas import BlockSizes, paged_decode_attention_pallas
 from agentrl_jax.kernels.paged_decode_tpu import BlockSizes as TpuBlockSizes
 from agentrl_jax.kernels.paged_decode_tpu import paged_decode_attention_pallas_tpu
 from jax.experimental.pallas import tpu as pltpu
@@ -24,9 +24,13 @@ TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rt
 IMPLS = {
     "xla": functools.partial(paged_decode_attention, impl="xla"),
     "pallas": functools.partial(paged_decode_attention_pallas, interpret=True),
-    # Two pages per online-softmax step: exercises the tail step past the owned pages.
+    # Two pages per step, two or four per split: tail steps past the owned pages, several
+    # splits per sequence and empty splits, merged by the combine.
     "pallas-2pages": functools.partial(
-        paged_decode_attention_pallas, block_sizes=BlockSizes(pages_per_block=2), interpret=True
+        paged_decode_attention_pallas, block_sizes=BlockSizes(2, 2), interpret=True
+    ),
+    "pallas-splits": functools.partial(
+        paged_decode_attention_pallas, block_sizes=BlockSizes(2, 4), interpret=True
     ),
 }
 PAGE, MAX_PAGES, NUM_PAGES = 4, 5, 32
@@ -92,7 +96,7 @@ def _check(impl, dtype, window, q, k, v, tables, lengths, scales):
     )
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "pallas-splits"])
 @pytest.mark.parametrize(
     "g,window,dtype",
     [(1, None, jnp.float32), (4, 6, jnp.bfloat16), (8, 1, jnp.float32), (4, None, jnp.bfloat16)],
@@ -101,7 +105,7 @@ def test_matches_reference(impl, g, window, dtype):
     _check(impl, dtype, window, *_inputs(2, g, 16, dtype, seed=g))
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas-2pages"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "pallas-2pages"])
 @pytest.mark.parametrize("window,dtype", [(None, jnp.float32), (6, jnp.bfloat16)])
 def test_int8_pages_match_reference(impl, window, dtype):
     _check(impl, dtype, window, *_inputs(2, 4, 16, dtype, seed=3, int8=True))
@@ -180,19 +184,23 @@ def test_pallas_tpu_generic_interpret_and_vmap():
     np.testing.assert_allclose(out, per_head(paged_decode_attention_reference), **TOL[jnp.float32])
 
 
-def test_impl_routing():
-    from agentrl_jax.kernels import attention_math, sliding_window_attention
-
-    assert resolve_impl("auto", has_tpu_variant=True) == "xla"  # CPU
-    with pytest.raises(ValueError, match="pallas_tpu"):
-        resolve_impl("pallas_tpu")  # an op without a TPU kernel
-    q = jnp.zeros((1, 4, 2, 8))
-    with pytest.raises(ValueError, match="impl="):
-        sliding_window_attention(q, q, q, window=2, impl="pallas_tpu")
+def test_pallas_tpu_compiled_off_tpu_raises():
     with pytest.raises(ValueError, match="only on TPU"):
         _tpu(interpret=False)(*_inputs(1, 1, 8, jnp.float32)[:5])
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attention_math.jax, "default_backend", lambda: "tpu")
-        assert resolve_impl("auto", has_tpu_variant=True) == "pallas_tpu"
-        assert resolve_impl("auto") == "pallas"
-        assert resolve_impl("pallas", has_tpu_variant=True) == "pallas"
+
+
+@pytest.mark.parametrize("window,bsz", [(None, BlockSizes(2, 2)), (6, BlockSizes(1, 1))])
+def test_visits_only_the_live_pages(window, bsz):
+    """The programs of a sequence read each page slot it owns (or, with a window, each slot
+    the window reaches) exactly once, nothing else, and load at most one partial step of
+    padding per split."""
+    q, k, v, tables, lengths, _ = _inputs(2, 2, 8, jnp.float32, seed=17)
+    vis = paged_decode_visits(q, k, v, tables, lengths, window=window, block_sizes=bsz)
+    for b, length in enumerate(LENGTHS):
+        first = 0 if window is None else max(length - window, 0)
+        want = np.zeros(MAX_PAGES, np.int32)
+        want[first // PAGE : -(-length // PAGE)] = 1
+        for kv_head in range(2):
+            got = vis[b, kv_head]  # [splits, max_pages + 1]
+            np.testing.assert_array_equal(got[:, :-1].sum(axis=0), want)
+            assert np.all(got[:, -1] < bsz.pages_per_block)

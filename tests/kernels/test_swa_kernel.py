@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from agentrl_jax.kernels import sliding_window_attention, sliding_window_attention_reference
-from agentrl_jax.kernels.sliding_window_pallas import BlockSizes, sliding_window_attention_pallas
+from agentrl_jax.kernels.sliding_window_pallas import (
+    BlockSizes,
+    key_block_range,
+    query_block_range,
+    sliding_window_attention_pallas,
+    sliding_window_visits,
+)
 
 # One unoptimised XLA compile per case: XLA's CPU backend optimisations dominate test time.
 fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
@@ -22,6 +28,12 @@ IMPLS = {
     "pallas": functools.partial(
         sliding_window_attention_pallas,
         block_sizes=BlockSizes(block_q=8, block_k=4),
+        interpret=True,
+    ),
+    # Backward tiles unlike the forward's: dq with wide key tiles, dkv with narrow query tiles.
+    "pallas-bwd-tiles": functools.partial(
+        sliding_window_attention_pallas,
+        block_sizes=BlockSizes(block_q=4, block_k=8, block_q_dq=8, block_k_dq=8, block_q_dkv=2),
         interpret=True,
     ),
 }
@@ -78,7 +90,10 @@ def test_matches_reference(impl, g, window, dtype):
     )
 
 
-@pytest.mark.parametrize("impl,window", [("xla", 3), ("pallas", 3), ("pallas-public", 24)])
+@pytest.mark.parametrize(
+    "impl,window",
+    [("xla", 3), ("pallas", 3), ("pallas", 13), ("pallas-bwd-tiles", 7), ("pallas-public", 24)],
+)
 def test_gradients_match_reference(impl, window):
     q, k, v, w = (
         _inputs(1, 24, 2, 4, 16, jnp.float32, seed=7)
@@ -109,6 +124,8 @@ def test_bad_inputs_raise():
         sliding_window_attention(q, k, v, window=0, impl="xla")
     with pytest.raises(ValueError, match="impl"):
         sliding_window_attention(q, k, v, window=2, impl="cuda")
+    with pytest.raises(ValueError, match="impl='pallas_tpu'"):
+        sliding_window_attention(q, k, v, window=2, impl="pallas_tpu")
     with pytest.raises(ValueError, match="q_heads"):
         sliding_window_attention(q[:, :, :3], k, v, window=2, impl="xla")
 
@@ -117,6 +134,8 @@ def test_pallas_block_sizes_must_divide_seq_len():
     q, k, v = _inputs(1, 12, 1, 1, 4, jnp.float32)
     with pytest.raises(ValueError, match="seq_len=12 must be a multiple of block_q=8"):
         sliding_window_attention_pallas(q, k, v, window=2, block_sizes=BlockSizes(8, 4))
+    with pytest.raises(ValueError, match="block_q=0 must be >= 1"):
+        BlockSizes(block_q=0)
 
 
 def test_pallas_group_padding_keeps_values(monkeypatch):
@@ -133,3 +152,50 @@ def test_pallas_group_padding_keeps_values(monkeypatch):
 
     out, ref = both(q, k, v)
     np.testing.assert_allclose(out, ref, **TOL[jnp.float32])
+
+
+def _band_blocks(nq, nk, bq, bk, window):
+    """[query block, key block] -> 0 outside the band, 1 if every pair is visible, 2 if some."""
+    out = np.zeros((nq, nk), np.int32)
+    for i in range(nq):
+        for j in range(nk):
+            qp = np.arange(i * bq, (i + 1) * bq)[:, None]
+            kp = np.arange(j * bk, (j + 1) * bk)[None, :]
+            vis = (kp <= qp) & (kp > qp - window)
+            out[i, j] = 0 if not vis.any() else (1 if vis.all() else 2)
+    return out
+
+
+@pytest.mark.parametrize(
+    "t,window,bq,bk",
+    [(64, 20, 8, 4), (64, 9, 4, 8), (48, 48, 8, 8), (64, 1, 8, 8), (64, 33, 16, 4)],
+)
+def test_visits_only_the_band(t, window, bq, bk):
+    """Forward, dq and dkv programs visit exactly the band's blocks, once each, and compute the
+    mask only on the partial blocks at its edges."""
+    q, k, v = _inputs(1, t, 1, 2, 8, jnp.float32, seed=t + window)
+    bs = BlockSizes(block_q=bq, block_k=bk, block_q_dq=bq, block_k_dq=bk, block_q_dkv=bq)
+    vis = sliding_window_visits(q, k, v, window=window, block_sizes=bs)
+    want = _band_blocks(t // bq, t // bk, bq, bk, window)
+    np.testing.assert_array_equal(vis["fwd"][0, 0], want)
+    np.testing.assert_array_equal(vis["dq"][0, 0], want)
+    np.testing.assert_array_equal(vis["dkv"][0, 0], want.T)
+
+
+def test_block_ranges_cover_the_band_at_model_shapes():
+    """The loop bounds alone (no kernel run) at T=32768, window 4096, 128-row tiles: visits per
+    query block are the band's blocks, and the share of key blocks is ~window/T."""
+    t, window, bq, bk = 32768, 4096, 32, 64
+    want = _band_blocks(8, t // bk, bq, bk, window)  # first query blocks: partial band
+    for i in range(8):
+        lo, clo, chi, hi = (int(x) for x in key_block_range(i, bq, bk, window))
+        got = np.zeros(t // bk, np.int32)
+        got[lo:hi] = 2
+        got[clo:chi] = 1
+        np.testing.assert_array_equal(got, want[i])
+    i = 600  # deep in the sequence
+    lo, clo, chi, hi = (int(x) for x in key_block_range(i, bq, bk, window))
+    assert (hi - lo) * bk <= window + bq + bk and chi - clo >= (window - bq) // bk - 2
+    j = 100
+    lo, clo, chi, hi = (int(x) for x in query_block_range(j, bq, bk, window, t // bq))
+    assert (hi - lo) * bq <= window + bq + bk and lo == j * bk // bq
