@@ -53,8 +53,11 @@ def _imports(name: str, path: str, modules: dict[str, str]) -> set[str]:
                 parts = package.split(".")
                 parts = parts[: len(parts) - (node.level - 1)]
                 base = ".".join(parts + ([base] if base else []))
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names)
+            subs = {f"{base}.{a.name}" for a in node.names} & set(modules)
+            # `from package import module` ties to the module (as `import package.module` does)
+            found.update(subs or {base})
+            if len(subs) < len(node.names):  # and names defined by the package itself
+                found.add(base)
     out = set()
     for imp in found:
         while imp and imp not in modules:  # `import a.b.c` of a package ties to its module

@@ -84,7 +84,7 @@ class DataConfig:
       skip_strata: skip strata whose every bucket is estimated out of band (module docstring,
         step 2); off by default: in the default experiment it cut all-equal groups but made
         batches of long failing episodes (RL steps ~20% slower) and did not measurably raise
-        held-out success (README, session 9).
+        held-out success (docs/experiments.md).
       track_by: ``"bucket"`` ((difficulty, bug types)) or ``"task"`` (each task on its own).
       out_of_band_prob: acceptance probability of estimated out-of-band buckets (re-estimation).
       success_threshold: reward above which a rollout is a success, when groups carry no

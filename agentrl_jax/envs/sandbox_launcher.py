@@ -9,7 +9,7 @@ only. Steps:
   2. remount every mount read-only (keeping the flags the kernel locks), then mount a fresh,
      size-limited tmpfs on ``/tmp`` and write the files into ``/tmp/work`` (owned by the run's
      uid): nothing outside that tmpfs is writable, and the tmpfs vanishes with the namespace;
-  3. fork the program: new session, stdin ``/dev/null``, rlimits, supplementary groups cleared,
+  3. fork the program: setsid(), stdin ``/dev/null``, rlimits, supplementary groups cleared,
      uid/gid dropped (when started as root), ``no_new_privs``, ``execve``;
   4. reap every process until the program exits, write its wait status and CPU time to
      the status fd, exit (which kills whatever the program left running).

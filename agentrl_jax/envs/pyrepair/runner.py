@@ -145,7 +145,7 @@ def run_job(job, timeout_s, report):
 
 def print_report(job, result, failures, out):
     w = out.write
-    w(" test session starts ".center(WIDTH, "=") + "\n")
+    w(" test run starts ".center(WIDTH, "=") + "\n")
     n = len(result["names"])
     if result["collect_error"]:
         w("collected 0 items / 1 error\n\n")

@@ -114,7 +114,7 @@ def test_tools_and_process_signals(env, task):
     text, _ = env.step_call("view", {"path": "solution.py", "start": 2, "end": 3})
     assert text.startswith("solution.py lines 2-3 of") and len(text.split("\n")) == 3
     report, res = env.step_call("run_tests", {})
-    assert "test session starts" in report and "failed" in report
+    assert "test run starts" in report and "failed" in report
     (m,) = task.mutations
     broken, res = env.step_call(
         "edit", {"path": "solution.py", "start": m.line, "end": m.line, "new": "    return ("}
