@@ -7,7 +7,8 @@ k experts per token.
 Both paths call the model's chunk function ``model.apply(params, tokens[B, C'], cache=...,
 valid=...)``: decode feeds one valid row padded to ``C`` rows, prefill feeds ``Cp``-row chunks.
 With ``Cp == C`` (forced for ``policy.parity``) every token's logits are computed exactly as
-``forward_chunked(chunk=C, page_size, max_len)`` computes them in training (bitwise).
+``model.chunked.chunked_logits`` with the same chunk, page size and ``max_len`` computes them
+in training (bitwise).
 
 Decode kernel: under non-parity policies (and ``SamplingConfig.decode_kernel``, the default)
 decode feeds one row per step to a model built with ``decode_kernel=True``, so F/D layers attend
@@ -47,9 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from agentrl_jax.model.chunked import NEVER, fixed_order_logprobs
 from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache
-
-_NEVER = jnp.iinfo(jnp.int32).max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,30 +171,6 @@ def filter_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return x
 
 
-def _tree_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis as a fixed pairwise tree (same bits whatever the leading shape)."""
-    n = x.shape[-1]
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << (n - 1).bit_length()) - n)])
-    while x.shape[-1] > 1:
-        h = x.shape[-1] // 2
-        x = x[..., :h] + x[..., h:]
-    return x[..., 0]
-
-
-def fixed_order_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """log softmax(logits)[tokens] with a fixed-order sum: fp32 [..., V], int [...] -> f32 [...].
-
-    ``jnp.sum``/``logsumexp`` reduce in an order XLA picks per shape, so the sampler's [B, V]
-    rows and the trainer's [B, T, V] block differ in the last bit; the explicit pairwise tree
-    does not. Differentiable (the max shift is a constant).
-    """
-    logits = logits.astype(jnp.float32)
-    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    lse = m[..., 0] + jnp.log(_tree_sum(jnp.exp(logits - m)))
-    picked = jnp.take_along_axis(logits, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return picked - lse
-
-
 def token_keys(rng: jax.Array, uids: jax.Array, positions: jax.Array) -> jax.Array:
     """Per-slot keys ``fold_in(fold_in(rng, uid), position)``: [B] uids/positions -> [B] keys."""
     return jax.vmap(lambda u, p: jax.random.fold_in(jax.random.fold_in(rng, u), p))(uids, positions)
@@ -278,8 +254,8 @@ class Sampler:
         return DecodeState(
             cache=cache,
             logits=jnp.zeros((batch, self.model.cfg.vocab_size), jnp.float32),
-            evict_at=jnp.full((batch, self.cfg.max_len), _NEVER, jnp.int32),
-            int8_at=jnp.full((batch, self.cfg.max_len), _NEVER, jnp.int32),
+            evict_at=jnp.full((batch, self.cfg.max_len), NEVER, jnp.int32),
+            int8_at=jnp.full((batch, self.cfg.max_len), NEVER, jnp.int32),
         )
 
     @property
@@ -305,8 +281,8 @@ class Sampler:
             )
             for name, layer in cache["layers"].items()
         }
-        evict = jnp.where(mask[:, None], _NEVER, state.evict_at)
-        int8 = jnp.where(mask[:, None], _NEVER, state.int8_at)
+        evict = jnp.where(mask[:, None], NEVER, state.evict_at)
+        int8 = jnp.where(mask[:, None], NEVER, state.int8_at)
         return DecodeState(cache, state.logits, evict, int8)
 
     @staticmethod

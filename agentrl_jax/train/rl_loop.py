@@ -536,7 +536,7 @@ class RLRun:
 
 def _teacher_forced(model_cfg: ModelConfig, sampling, policy, params, tokens, valid):
     """``(logp [B, T-1], extras)`` of a no-entropy teacher-forced pass under ``policy``."""
-    from agentrl_jax.rl.logprobs import as_chunk_spec, sequence_logprobs
+    from agentrl_jax.model.chunked import as_chunk_spec, sequence_logprobs
 
     logp, _, extras = sequence_logprobs(
         Transformer(model_cfg, policy),

@@ -106,7 +106,7 @@ def make_vmapped_update(model, rl_cfg, sampling_meta=None):
     Raises:
       ValueError: ppo_epochs or n_minibatches != 1, or old_logprobs != 'recompute'.
     """
-    from agentrl_jax.rl.logprobs import as_chunk_spec
+    from agentrl_jax.model.chunked import as_chunk_spec
     from agentrl_jax.rl.mismatch import mismatch_metrics
     from agentrl_jax.rl.update import make_grad_fn
 
