@@ -45,7 +45,8 @@ from agentrl_jax.metrics import (
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
-from agentrl_jax.rl.advantages import CreditInputs, get_advantage
+from agentrl_jax.rl.advantages import get_advantage
+from agentrl_jax.rl.credit import CreditInputs
 from agentrl_jax.rl.fallback import FallbackController
 from agentrl_jax.rl.state import RLConfig, init_train_state
 from agentrl_jax.rl.update import make_update_fn

@@ -2,10 +2,10 @@
 
 Each scenario combines the agent loop's mechanisms (continuous batching, a shared page pool
 that forces preemption, KV eviction, int8 KV, prefill/decode disaggregation, lockstep waves,
-greedy members, twin-slot copies, the fast decode kernel) and is reduced to one SHA-256 over
-every trajectory array, the per-turn logs and the rollout counters. The digests were recorded
-on CPU with jax 0.10; other backends and XLA versions may round differently, so there the
-test is skipped.
+greedy members, twin-slot copies, the fast decode kernel) and is reduced to two SHA-256s: one
+over every trajectory array but the logprobs, the per-turn logs and the rollout counters, one
+over the logprobs. The digests were recorded on CPU with jax 0.10; other backends and XLA
+versions may round differently, so there the test is skipped.
 """
 
 import dataclasses
