@@ -1,37 +1,29 @@
 """Multi-turn episodes over a batch of environment slots, token-in/token-out.
 
 Each slot holds one episode. :meth:`AgentLoop.step` plays one round of phases:
-  1. :meth:`~AgentLoop.admit`: free slots take the next task (``env.reset`` -> prompt ids) — or
-     a preempted episode, whose whole token history is prefilled again (identical ids);
-  2. :meth:`~AgentLoop.prefill`: pending environment ids (prompt / observation / re-injected
-     goal) of every slot are appended to that slot's cache in one jitted call; nothing already
-     cached is recomputed;
-  3. :meth:`~AgentLoop.decode`: one jitted ``lax.while_loop`` call generates for every slot that
-     is mid-turn; with ``continuous=True`` it returns as soon as one slot's turn ends, so that
-     slot steps its environment, gets its observation prefilled (or is refilled from the queue)
-     while the others keep their place mid-turn; with ``continuous=False`` a wave of slots moves
-     in lockstep and new tasks enter only when every slot is free;
-  4. :meth:`~AgentLoop.end_turns`: a turn that ended (stop token, ``max_new_tokens``, or the
-     cache is full) is recorded (:meth:`~AgentLoop.close_turn`), its tool call goes to
-     ``env.step`` (:meth:`~AgentLoop.step_envs`, optionally on an executor), and the
-     observation is recorded (:meth:`~AgentLoop.record_step`, which also runs
-     :meth:`~AgentLoop.evict`);
+  1. ``admit``: free slots take the next task (``env.reset`` -> prompt ids) or a preempted
+     episode, whose whole token history is prefilled again (identical ids);
+  2. ``prefill``: every slot's pending environment ids (prompt / observation / re-injected goal)
+     are appended to its cache in one jitted call; nothing cached is recomputed;
+  3. ``decode``: one jitted ``lax.while_loop`` call generates for every mid-turn slot; with
+     ``continuous=True`` it returns as soon as one slot's turn ends (that slot steps its
+     environment and is prefilled or refilled while the others keep their place mid-turn);
+     with ``continuous=False`` a wave of slots moves in lockstep;
+  4. ``end_turns``: an ended turn (stop token, ``max_new_tokens``, full cache) is recorded, its
+     tool call goes to ``env.step`` (``step_envs``, optionally on an executor) and the
+     observation is recorded (``record_step``, which runs KV eviction, ``evict``);
   5. pages beyond each slot's cached tokens go back to the pool.
-An episode ends when the environment says done, after ``max_turns`` turns or when it reaches
-``max_tokens`` / the cache capacity (``truncated``). Between rounds a caller may swap the
-parameters (:meth:`~AgentLoop.set_params`); :func:`run_episodes` runs rounds until every task
-is played.
+An episode ends when the environment says done, after ``max_turns`` turns or at ``max_tokens``
+/ the cache capacity (``truncated``). Between rounds a caller may swap the parameters
+(``set_params``); :func:`run_episodes` plays rounds until every task is done.
 
-With a shared page pool (``n_pages``) pages are taken per call and trimmed afterwards; when the
-pool runs short, new episodes wait, and a slot that cannot grow preempts the most recently
-admitted slot, which later resumes by re-prefilling its exact tokens. Sampling keys depend on
-(episode id, position) only, so under a parity policy a preempted run reproduces the tokens of
-an unconstrained run.
-
-With ``disaggregate=Disaggregation(prefill_devices, decode_devices)`` prefill runs on one device
-sub-mesh and decode on another; the KV rows of prefilled slots move between them with
-``jax.device_put`` around every prefill (``rollout/disaggregation.py``; ``kv_moved_bytes`` per
-turn in the logs). Tokens and logprobs equal the colocated run's (bitwise under parity policies).
+With a shared page pool (``n_pages``), new episodes wait when the pool runs short and a slot
+that cannot grow preempts the most recently admitted slot, which resumes later by
+re-prefilling its exact tokens. Sampling keys depend on (episode id, position) only, so under a
+parity policy a preempted run reproduces the tokens of an unconstrained run. With
+``disaggregate`` prefill and decode run on two device sub-meshes and the prefilled KV moves
+between them (``rollout/disaggregation.py``; ``kv_moved_bytes`` per turn in the logs); tokens
+and logprobs equal the colocated run's (bitwise under parity policies).
 """
 
 from __future__ import annotations
@@ -136,7 +128,7 @@ class AgentLoop:
             self.cfg = cfg = cfg.replace(stop_tokens=default_stop_tokens(tokenizer))
         self.model, self.sampler = model, get_sampler(model, cfg)
         self.weights = dict(options.process_weights)
-        mcfg, n_slots = model.cfg, options.n_slots
+        mcfg = model.cfg
         self.route_shape = (mcfg.n_layers, mcfg.experts_per_token) if mcfg.is_moe else None
         eviction = options.eviction
         if eviction is None and cfg.eviction_threshold > 0:
@@ -145,23 +137,27 @@ class AgentLoop:
         self.evicting = eviction is not None and eviction.threshold > 0
         if options.disaggregate is not None and self.evicting:
             raise ValueError("disaggregate does not support KV eviction / int8 (eviction=...)")
+        self.params, self.split = params, None  # split: the prefill sub-mesh's copies
+        self.state = self._init_state(stats)
+
+    def _init_state(self, stats: RolloutStats | None) -> LoopState:
+        """Empty slots, the page pool, the sampler state (placed on the sub-meshes)."""
+        opts, cfg = self.options, self.cfg
         pool = None
-        if options.n_pages is not None:
+        if opts.n_pages is not None:
             pool = PagePool(
-                n_slots, options.n_pages, cfg.page_size, cfg.max_len, usable=options.page_budget
+                opts.n_slots, opts.n_pages, cfg.page_size, cfg.max_len, opts.page_budget
             )
-        decode = self.sampler.init_state(n_slots, options.n_pages, track_mass=self.evicting)
-        self.split = None  # disaggregated: state.decode on the decode mesh, split.state_a prefill's
-        self.params = params
-        if options.disaggregate is not None:
+        decode = self.sampler.init_state(opts.n_slots, opts.n_pages, track_mass=self.evicting)
+        if opts.disaggregate is not None:
             tables = pool.tables if pool is not None else np.asarray(decode.cache["block_tables"])
-            self.split = dis.Split(options.disaggregate, self.sampler, params, decode, tables)
+            self.split = dis.Split(opts.disaggregate, self.sampler, self.params, decode, tables)
             self.params, decode = self.split.params_b, self.split.to_decode(decode)
-        never = np.full((n_slots, cfg.max_len), NEVER, np.int32)
+        never = np.full((opts.n_slots, cfg.max_len), NEVER, np.int32)
         self.state = LoopState(
-            slots=[None] * n_slots,
-            queue=collections.deque(range(len(tasks))),
-            records=[None] * len(tasks),
+            slots=[None] * opts.n_slots,
+            queue=collections.deque(range(len(self.tasks))),
+            records=[None] * len(self.tasks),
             logs=[],
             pool=pool,
             decode=decode,
@@ -170,8 +166,9 @@ class AgentLoop:
             stats=stats if stats is not None else RolloutStats(),
         )
         if pool is not None:
-            self.reset_slots(np.zeros(n_slots, bool), pool.tables)
+            self.reset_slots(np.zeros(opts.n_slots, bool), pool.tables)
             pool.dirty = False
+        return self.state
 
     # Driving ----------------------------------------------------------------------------------
     def done(self) -> bool:
