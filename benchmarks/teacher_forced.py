@@ -1,9 +1,10 @@
 """What bitwise parity costs in the trainer's teacher-forced pass (one JSON line per measurement).
 
-The RL update recomputes the logprobs of rollout tokens through ``rl.logprobs.sequence_logprobs``:
-under a ``*-parity`` policy that is ``chunked_logits``, a ``lax.scan`` of the sampler's chunk
-function over the paged cache (chunk 4, page 16, capacity 192, like ``rollout.py``'s parity
-sampler; bitwise the rollout's logprobs), otherwise one plain full-sequence forward. Two modes:
+The RL update recomputes the logprobs of rollout tokens through
+``model.chunked.sequence_logprobs``: under a ``*-parity`` policy that is ``chunked_logits``, a
+``lax.scan`` of the sampler's chunk function over the paged cache (chunk 4, page 16, capacity
+192, like ``rollout.py``'s parity sampler; bitwise the rollout's logprobs), otherwise one plain
+full-sequence forward. Two modes:
 
   logprobs  ``sequence_logprobs`` forward only (the update's no-gradient pre-update pass, and
             ``rollout.parity.trainer_logprobs``'s computation), jitted;
@@ -42,9 +43,9 @@ import jax
 import numpy as np
 from common import NEW, PROMPT, Timing, bench_model, env_fields
 
+from agentrl_jax.model.chunked import ChunkSpec, sequence_logprobs
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
-from agentrl_jax.rl.logprobs import ChunkSpec, sequence_logprobs
 from agentrl_jax.rl.state import RLConfig
 from agentrl_jax.rl.update import make_grad_fn, prepare_batch
 

@@ -8,61 +8,36 @@ Each estimator is ``fn(inputs: CreditInputs, **hparams) -> advantages`` (f32 [B,
     def my_variant(inputs, *, scale=1.0):
         return scale * get_advantage("grpo")(inputs)
 
-Conventions (all estimators):
-  * Rewards live on action tokens: ``process_rewards[b, t]`` on the last action token of the turn
-    that earned it, ``outcome_reward[b]`` on the last action token of episode b. Rewards placed on
-    non-action tokens are ignored.
-  * Only action (model) tokens are decision steps: discounting skips environment tokens.
-  * A turn is the set of action tokens sharing a ``turn_ids`` value; turns without action tokens
-    (pure observation turns) are not steps. Turn-level quantities use K = T turn slots.
-  * Episodes with no action token are excluded from group statistics and get zero advantage.
+Inputs, their conventions and the group baselines are ``rl.credit``'s (equal rewards in a group
+give exactly zero advantage under every baseline).
 
 Shape legend: B episodes, T tokens, K turn slots (= T).
 
-Registered here: orm, prm_orm, discounted_token, discounted_turn, gae, grpo, dr_grpo, rloo;
-``advantages_turn`` adds gigpo and attn_credit.
+Defined and registered here: orm, prm_orm, discounted_token, discounted_turn, gae, grpo,
+dr_grpo, rloo; registered from ``advantages_turn``: gigpo, attn_credit, episode_process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 
-from agentrl_jax.rl import segments
+from agentrl_jax.rl import advantages_turn, segments
+from agentrl_jax.rl.credit import (
+    CreditInputs,
+    broadcast_episode,
+    check_range,
+    episode_advantage,
+    token_rewards,
+    turn_returns,
+    validate_inputs,
+)
 
 AdvantageFn = Callable[..., Array]
 _REGISTRY: dict[str, AdvantageFn] = {}
-EPISODE_ESTIMATORS = ("orm", "grpo", "dr_grpo", "rloo")
-
-
-class CreditInputs(NamedTuple):
-    """Everything an estimator may read (a pytree; optional fields are None).
-
-    Attributes:
-      action_mask: bool [B, T], True on model-generated (action) tokens.
-      turn_ids: int32 [B, T], turn index of each token, -1 on padding.
-      outcome_reward: f32 [B], episode outcome (e.g. success) reward.
-      process_rewards: f32 [B, T], milestone rewards on the last action token of their turn.
-      group_ids: int32 [B], episodes with equal ids are rollouts of the same task.
-      state_ids: optional int32 [B, T], hash of the environment state an action turn was taken
-        from (constant over the turn's action tokens), for step-level groups.
-      values: optional f32 [B, T], value-head estimate V(s_t) at each token.
-      attn_credit: optional f32 [B, T], attention mass the final turns' tokens put on each token
-        (teacher-forced pass).
-    """
-
-    action_mask: Array
-    turn_ids: Array
-    outcome_reward: Array
-    process_rewards: Array
-    group_ids: Array
-    state_ids: Array | None = None
-    values: Array | None = None
-    attn_credit: Array | None = None
 
 
 def register_advantage(
@@ -103,64 +78,11 @@ def advantage_names() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def validate_inputs(inputs: CreditInputs, required: tuple[str, ...] = ()) -> None:
-    """Checks shapes (static) of ``inputs`` and presence of the ``required`` optional fields.
-
-    Raises:
-      ValueError: naming the field whose shape or presence is wrong.
-    """
-    if inputs.action_mask.ndim != 2:
-        raise ValueError(f"action_mask must be [B, T], got shape {inputs.action_mask.shape}")
-    if inputs.action_mask.dtype != jnp.bool_:
-        raise ValueError(f"action_mask must be bool, got {inputs.action_mask.dtype}")
-    b, t = inputs.action_mask.shape
-    expected = {
-        "turn_ids": (b, t),
-        "outcome_reward": (b,),
-        "process_rewards": (b, t),
-        "group_ids": (b,),
-        "state_ids": (b, t),
-        "values": (b, t),
-        "attn_credit": (b, t),
-    }
-    for field, shape in expected.items():
-        value = getattr(inputs, field)
-        if value is None:
-            if field in required:
-                raise ValueError(f"{field} is required by this estimator but is None")
-            continue
-        if tuple(value.shape) != shape:
-            raise ValueError(f"{field} must have shape {shape}, got {tuple(value.shape)}")
-
-
-def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
-    ok = (value > lo if lo_open else value >= lo) and value <= hi
-    if not ok:
-        bracket = "(" if lo_open else "["
-        raise ValueError(f"{name}={value} must be in {bracket}{lo}, {hi}]")
-
-
-def token_rewards(inputs: CreditInputs, prm_weight: float = 1.0, orm_weight: float = 1.0) -> Array:
-    """r[b,t] = prm_weight * process_rewards[b,t] + orm_weight * outcome[b] * [t = last action].
-
-    Zero outside the action mask.
-    """
-    mask = inputs.action_mask
-    last = segments.last_true(mask)
-    r = prm_weight * inputs.process_rewards.astype(jnp.float32)
-    r = r + orm_weight * inputs.outcome_reward.astype(jnp.float32)[:, None] * last
-    return jnp.where(mask, r, 0.0)
-
-
-def _broadcast(per_episode: Array, mask: Array) -> Array:
-    return jnp.where(mask, per_episode.astype(jnp.float32)[:, None], 0.0)
-
-
 @register_advantage("orm")
 def orm(inputs: CreditInputs) -> Array:
     """Outcome reward broadcast: A[b, t] = R_b on every action token of episode b."""
     validate_inputs(inputs)
-    return _broadcast(inputs.outcome_reward, inputs.action_mask)
+    return broadcast_episode(inputs.outcome_reward, inputs.action_mask)
 
 
 @register_advantage("prm_orm")
@@ -173,8 +95,8 @@ def prm_orm(inputs: CreditInputs, *, prm_weight: float = 1.0, orm_weight: float 
     Raises:
       ValueError: if a weight is negative.
     """
-    _check_range("prm_weight", prm_weight, 0.0, float("inf"))
-    _check_range("orm_weight", orm_weight, 0.0, float("inf"))
+    check_range("prm_weight", prm_weight, 0.0, float("inf"))
+    check_range("orm_weight", orm_weight, 0.0, float("inf"))
     validate_inputs(inputs)
     mask = inputs.action_mask
     p = jnp.where(mask, inputs.process_rewards.astype(jnp.float32), 0.0)
@@ -194,24 +116,10 @@ def discounted_token(
     Raises:
       ValueError: if gamma is outside [0, 1] or a weight is negative.
     """
-    _check_range("gamma", gamma, 0.0, 1.0)
+    check_range("gamma", gamma, 0.0, 1.0)
     validate_inputs(inputs)
     r = token_rewards(inputs, prm_weight, orm_weight)
     return segments.reverse_discounted_sum(r, inputs.action_mask, gamma)
-
-
-def turn_returns(
-    inputs: CreditInputs, gamma: float, prm_weight: float = 1.0, orm_weight: float = 1.0
-) -> tuple[Array, Array]:
-    """Per-turn discounted returns G[b,k] = r_k + gamma G[b, next action turn] and turn validity.
-
-    r_k sums ``token_rewards`` over the action tokens of turn k.
-    """
-    mask = inputs.action_mask
-    r = token_rewards(inputs, prm_weight, orm_weight)
-    r_turn = segments.per_turn_sum(r, inputs.turn_ids, mask)
-    has_action = segments.per_turn_sum(jnp.ones_like(r), inputs.turn_ids, mask) > 0
-    return segments.reverse_discounted_sum(r_turn, has_action, gamma), has_action
 
 
 @register_advantage("discounted_turn")
@@ -226,7 +134,7 @@ def discounted_turn(
     Raises:
       ValueError: if gamma is outside [0, 1] or a weight is negative.
     """
-    _check_range("gamma", gamma, 0.0, 1.0)
+    check_range("gamma", gamma, 0.0, 1.0)
     validate_inputs(inputs)
     g, _ = turn_returns(inputs, gamma, prm_weight, orm_weight)
     return segments.turn_to_tokens(g, inputs.turn_ids, inputs.action_mask)
@@ -248,13 +156,13 @@ def gae(
     with t+ the next action token (V = A = 0 after the last: episodes end there) and V = 0 if
     ``inputs.values`` is None (then A_t is the (gamma lam)-discounted reward-to-go).
     ``whiten``: A <- (A - mean) / (std + 1e-6) over the batch's action tokens (PPO's advantage
-    normalisation; a critic's targets are the unwhitened A_t + V_t).
+    normalisation; a critic's targets are the unwhitened A_t + V_t); 0 if every A_t is equal.
 
     Raises:
       ValueError: if gamma or lam is outside [0, 1].
     """
-    _check_range("gamma", gamma, 0.0, 1.0)
-    _check_range("lam", lam, 0.0, 1.0)
+    check_range("gamma", gamma, 0.0, 1.0)
+    check_range("lam", lam, 0.0, 1.0)
     validate_inputs(inputs)
     mask = inputs.action_mask
     r = token_rewards(inputs, prm_weight, orm_weight)
@@ -275,33 +183,9 @@ def gae(
         n = jnp.maximum(jnp.sum(m), 1.0)
         mean = jnp.sum(adv * m) / n
         std = jnp.sqrt(jnp.sum(jnp.square(adv - mean) * m) / n)
-        adv = jnp.where(mask, (adv - mean) / (std + 1e-6), 0.0)
+        equal = jnp.max(jnp.where(mask, adv, -jnp.inf)) == jnp.min(jnp.where(mask, adv, jnp.inf))
+        adv = jnp.where(mask & ~equal, (adv - mean) / (std + 1e-6), 0.0)
     return adv
-
-
-def _episode_groups(inputs: CreditInputs):
-    valid = inputs.action_mask.any(axis=1)
-    seg = segments.dense_segment_ids([inputs.group_ids], valid)
-    r = inputs.outcome_reward.astype(jnp.float32)
-    total, count, std = segments.segment_stats(r, seg, valid)
-    return r, total, count, std, valid
-
-
-def episode_advantage(inputs: CreditInputs, estimator: str = "grpo", eps: float = 1e-6) -> Array:
-    """Per-episode advantage [B] of an outcome estimator in ``EPISODE_ESTIMATORS``."""
-    if estimator not in EPISODE_ESTIMATORS:
-        raise ValueError(f"episode_estimator={estimator!r} must be one of {EPISODE_ESTIMATORS}")
-    r, total, count, std, valid = _episode_groups(inputs)
-    mean = total / jnp.maximum(count, 1.0)
-    if estimator == "orm":
-        out = r
-    elif estimator == "grpo":
-        out = (r - mean) / (std + eps)
-    elif estimator == "dr_grpo":
-        out = r - mean
-    else:  # rloo
-        out = jnp.where(count > 1, r - (total - r) / jnp.maximum(count - 1.0, 1.0), 0.0)
-    return jnp.where(valid, out, 0.0)
 
 
 @register_advantage("grpo")
@@ -313,24 +197,28 @@ def grpo(inputs: CreditInputs, *, eps: float = 1e-6) -> Array:
     Raises:
       ValueError: if eps <= 0.
     """
-    _check_range("eps", eps, 0.0, float("inf"), lo_open=True)
+    check_range("eps", eps, 0.0, float("inf"), lo_open=True)
     validate_inputs(inputs)
-    return _broadcast(episode_advantage(inputs, "grpo", eps), inputs.action_mask)
+    return broadcast_episode(episode_advantage(inputs, "grpo", eps), inputs.action_mask)
 
 
 @register_advantage("dr_grpo")
 def dr_grpo(inputs: CreditInputs) -> Array:
     """Dr.GRPO: A_b = R_b - mean_g R (no std normalisation), broadcast to action tokens."""
     validate_inputs(inputs)
-    return _broadcast(episode_advantage(inputs, "dr_grpo"), inputs.action_mask)
+    return broadcast_episode(episode_advantage(inputs, "dr_grpo"), inputs.action_mask)
 
 
 @register_advantage("rloo")
 def rloo(inputs: CreditInputs) -> Array:
     """RLOO: A_b = R_b - (sum_{j in g, j != b} R_j) / (n_g - 1); 0 for a one-episode group."""
     validate_inputs(inputs)
-    return _broadcast(episode_advantage(inputs, "rloo"), inputs.action_mask)
+    return broadcast_episode(episode_advantage(inputs, "rloo"), inputs.action_mask)
 
 
-# Register the turn-level estimators (gigpo, attn_credit) on import of this module.
-from agentrl_jax.rl import advantages_turn  # noqa: E402, F401
+for _name, _fn in (
+    ("gigpo", advantages_turn.gigpo),
+    ("attn_credit", advantages_turn.attn_credit),
+    ("episode_process", advantages_turn.episode_process),
+):
+    register_advantage(_name)(_fn)

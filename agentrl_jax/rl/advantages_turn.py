@@ -1,8 +1,8 @@
 """Turn-level credit estimators: step-level groups (GiGPO-style) and attention-based credit.
 
-Both refine an episode advantage A_b (an estimator from ``EPISODE_ESTIMATORS``) per action turn
-and broadcast the turn value to the turn's action tokens. Registered on import of
-``agentrl_jax.rl.advantages``.
+Each refines an episode advantage A_b (an estimator from ``credit.EPISODE_ESTIMATORS``) per
+action turn and broadcasts the turn value to the turn's action tokens. ``rl.advantages``
+registers them (as ``gigpo``, ``attn_credit`` and ``episode_process``).
 
 Shape legend: B episodes, T tokens, K turn slots (= T), N = B*K flattened (episode, turn) pairs.
 """
@@ -13,17 +13,15 @@ import jax.numpy as jnp
 from jax import Array
 
 from agentrl_jax.rl import segments
-from agentrl_jax.rl.advantages import (
+from agentrl_jax.rl.credit import (
     CreditInputs,
-    _check_range,
+    check_range,
     episode_advantage,
-    register_advantage,
     turn_returns,
     validate_inputs,
 )
 
 
-@register_advantage("gigpo")
 def gigpo(
     inputs: CreditInputs,
     *,
@@ -45,15 +43,16 @@ def gigpo(
       A_step = (G_{b,k} - m) / (sd + eps)   if step_std else   G_{b,k} - m
       A[b, t] = A_ep(b) + step_weight * A_step(b, turn(t))
 
-    A state visited once in the group gives A_step = 0 (nothing to compare against).
+    A state visited once in the group, or whose returns in the group are all equal, gives
+    A_step = 0 (nothing to compare against).
 
     Raises:
       ValueError: if ``state_ids`` is None, step_weight < 0, gamma outside [0, 1], eps <= 0,
         or episode_estimator is unknown.
     """
-    _check_range("step_weight", step_weight, 0.0, float("inf"))
-    _check_range("gamma", gamma, 0.0, 1.0)
-    _check_range("eps", eps, 0.0, float("inf"), lo_open=True)
+    check_range("step_weight", step_weight, 0.0, float("inf"))
+    check_range("gamma", gamma, 0.0, 1.0)
+    check_range("eps", eps, 0.0, float("inf"), lo_open=True)
     validate_inputs(inputs, required=("state_ids",))
     mask, turn_ids = inputs.action_mask, inputs.turn_ids
     b, k = mask.shape
@@ -66,12 +65,12 @@ def gigpo(
     total, count, std = segments.segment_stats(g.reshape(-1), seg, valid)
     centred = g.reshape(-1) - total / jnp.maximum(count, 1.0)
     a_step = centred / (std + eps) if step_std else centred
-    a_step = jnp.where(valid, a_step, 0.0).reshape(b, k)
+    equal = segments.segment_all_equal(g.reshape(-1), seg, valid)
+    a_step = jnp.where(valid & ~equal, a_step, 0.0).reshape(b, k)
     per_turn = a_ep[:, None] + step_weight * a_step
     return segments.turn_to_tokens(per_turn, turn_ids, mask)
 
 
-@register_advantage("attn_credit")
 def attn_credit(
     inputs: CreditInputs,
     *,
@@ -95,8 +94,8 @@ def attn_credit(
       ValueError: if ``attn_credit`` is None, uniform_mix outside (0, 1], eps <= 0, or
         episode_estimator is unknown.
     """
-    _check_range("uniform_mix", uniform_mix, 0.0, 1.0, lo_open=True)
-    _check_range("eps", eps, 0.0, float("inf"), lo_open=True)
+    check_range("uniform_mix", uniform_mix, 0.0, 1.0, lo_open=True)
+    check_range("eps", eps, 0.0, float("inf"), lo_open=True)
     validate_inputs(inputs, required=("attn_credit",))
     mask, turn_ids = inputs.action_mask, inputs.turn_ids
     a_ep = episode_advantage(inputs, episode_estimator, eps)
@@ -111,7 +110,6 @@ def attn_credit(
     return segments.turn_to_tokens(per_turn, turn_ids, mask)
 
 
-@register_advantage("episode_process")
 def episode_process(
     inputs: CreditInputs,
     *,
@@ -134,8 +132,8 @@ def episode_process(
     Raises:
       ValueError: if process_weight < 0, eps <= 0 or episode_estimator is unknown.
     """
-    _check_range("process_weight", process_weight, 0.0, float("inf"))
-    _check_range("eps", eps, 0.0, float("inf"), lo_open=True)
+    check_range("process_weight", process_weight, 0.0, float("inf"))
+    check_range("eps", eps, 0.0, float("inf"), lo_open=True)
     validate_inputs(inputs)
     mask, turn_ids = inputs.action_mask, inputs.turn_ids
     a_ep = episode_advantage(inputs, episode_estimator, eps)

@@ -65,6 +65,29 @@ def segment_stats(x: Array, seg: Array, valid: Array) -> tuple[Array, Array, Arr
     return s[seg] * valid_f, c[seg] * valid_f, jnp.sqrt(var[seg]) * valid_f
 
 
+def segment_all_equal(x: Array, seg: Array, valid: Array) -> Array:
+    """Whether every valid entry of the entry's segment holds the same value (exactly).
+
+    A segment's float32 mean of equal values that do not sum exactly (0.9 three times) differs
+    from the value in the last bit, so ``x - mean`` is not zero there; estimators use this mask
+    to give such a segment exactly zero advantage.
+
+    Args:
+      x: float [N] values.
+      seg: int [N] dense segment ids in [0, N]; id N is a discard bucket.
+      valid: bool [N]; invalid entries are ignored and receive False.
+
+    Returns:
+      bool [N].
+    """
+    n = x.shape[0]
+    x = x.astype(jnp.float32)
+    seg = jnp.where(valid, seg, n)
+    hi = jax.ops.segment_max(jnp.where(valid, x, -jnp.inf), seg, num_segments=n + 1)
+    lo = jax.ops.segment_min(jnp.where(valid, x, jnp.inf), seg, num_segments=n + 1)
+    return valid & (hi[seg] == lo[seg])
+
+
 def per_turn_sum(x: Array, turn_ids: Array, mask: Array) -> Array:
     """Sums x over the masked tokens of each turn: out[b, k] = sum_{t: turn_ids[b,t]=k, mask} x.
 

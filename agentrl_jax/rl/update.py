@@ -46,14 +46,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from agentrl_jax.model.chunked import as_chunk_spec, sequence_logprobs, with_policy
 from agentrl_jax.model.transformer import Transformer
 from agentrl_jax.precision import DTypePolicy
-from agentrl_jax.rl.logprobs import (
-    as_chunk_spec,
-    sequence_logprobs,
-    target_mask,
-    with_policy,
-)
+from agentrl_jax.rl.logprobs import target_mask
 from agentrl_jax.rl.losses import policy_loss, value_loss
 from agentrl_jax.rl.mismatch import mismatch_metrics
 from agentrl_jax.rl.state import RLConfig, TrainState, rl_optimizer

@@ -1,49 +1,56 @@
 """Multi-turn episodes over a batch of environment slots, token-in/token-out.
 
-Each slot holds one episode. The host loop repeats:
-  1. admission: free slots take the next task (``env.reset`` -> prompt ids) — or a preempted
+Each slot holds one episode. :meth:`AgentLoop.step` plays one round of phases:
+  1. ``admit``: free slots take the next task (``env.reset`` -> prompt ids) or a preempted
      episode, whose whole token history is prefilled again (identical ids);
-  2. prefill: pending environment ids (prompt / observation / re-injected goal) of every slot
-     are appended to that slot's cache in one jitted call; nothing already cached is recomputed;
-  3. decode: one jitted ``lax.while_loop`` call generates for every slot that is mid-turn; with
-     ``continuous=True`` it returns as soon as one slot's turn ends, so that slot steps its
-     environment, gets its observation prefilled (or is refilled from the queue) while the
-     others keep their place mid-turn; with ``continuous=False`` a wave of slots moves in
-     lockstep and new tasks enter only when every slot is free;
-  4. a turn that ended (stop token, ``max_new_tokens``, or the cache is full) is decoded on the
-     host into a tool call by ``env.step``; the observation ids are appended.
-An episode ends when the environment says done, after ``max_turns`` turns or when it reaches
-``max_tokens`` / the cache capacity (``truncated``).
+  2. ``prefill``: every slot's pending environment ids (prompt / observation / re-injected goal)
+     are appended to its cache in one jitted call; nothing cached is recomputed;
+  3. ``decode``: one jitted ``lax.while_loop`` call generates for every mid-turn slot; with
+     ``continuous=True`` it returns as soon as one slot's turn ends (that slot steps its
+     environment and is prefilled or refilled while the others keep their place mid-turn);
+     with ``continuous=False`` a wave of slots moves in lockstep;
+  4. ``end_turns``: an ended turn (stop token, ``max_new_tokens``, full cache) is recorded, its
+     tool call goes to ``env.step`` (``step_envs``, optionally on an executor) and the
+     observation is recorded (``record_step``, which runs KV eviction, ``evict``);
+  5. pages beyond each slot's cached tokens go back to the pool.
+An episode ends when the environment says done, after ``max_turns`` turns or at ``max_tokens``
+/ the cache capacity (``truncated``). Between rounds a caller may swap the parameters
+(``set_params``); :func:`run_episodes` plays rounds until every task is done.
 
-With a shared page pool (``n_pages``) pages are taken per call and trimmed afterwards; when the
-pool runs short, new episodes wait, and a slot that cannot grow preempts the most recently
-admitted slot, which later resumes by re-prefilling its exact tokens. Sampling keys depend on
-(episode id, position) only, so under a parity policy a preempted run reproduces the tokens of
-an unconstrained run.
-
-With ``disaggregate=Disaggregation(prefill_devices, decode_devices)`` prefill runs on one device
-sub-mesh and decode on another; the KV rows of prefilled slots move between them with
-``jax.device_put`` around every prefill (``rollout/disaggregation.py``; ``kv_moved_bytes`` per
-turn in the logs). Tokens and logprobs equal the colocated run's (bitwise under parity policies).
+With a shared page pool (``n_pages``), new episodes wait when the pool runs short and a slot
+that cannot grow preempts the most recently admitted slot, which resumes later by
+re-prefilling its exact tokens. Sampling keys depend on (episode id, position) only, so under a
+parity policy a preempted run reproduces the tokens of an unconstrained run. With
+``disaggregate`` prefill and decode run on two device sub-meshes and the prefilled KV moves
+between them (``rollout/disaggregation.py``; ``kv_moved_bytes`` per turn in the logs); tokens
+and logprobs equal the colocated run's (bitwise under parity policies).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentrl_jax.envs.base import Env, Tokenizer
+from agentrl_jax.envs.base import Env, StepResult, Tokenizer
 from agentrl_jax.model.transformer import Transformer
 from agentrl_jax.rollout import disaggregation as dis
-from agentrl_jax.rollout.kv_cache import EvictionConfig, PagePool, kv_bytes_per_seq
-from agentrl_jax.rollout.sampler import SamplingConfig, get_sampler
+from agentrl_jax.rollout import turns
+from agentrl_jax.rollout.kv_cache import EvictionConfig, PagePool
+from agentrl_jax.rollout.loop_state import (
+    EpisodeSlot,
+    LoopOptions,
+    LoopState,
+    RolloutStats,
+    twin_slots,
+)
+from agentrl_jax.rollout.sampler import NEVER, SamplingConfig, get_sampler
 from agentrl_jax.rollout.trajectory import (
     EpisodeRecord,
     Trajectory,
@@ -52,67 +59,403 @@ from agentrl_jax.rollout.trajectory import (
     write_jsonl,
 )
 
-logger = logging.getLogger(__name__)
-
 
 def default_stop_tokens(tokenizer: Tokenizer) -> tuple[int, ...]:
     """``</call>``, ``<eot>``, ``<eos>`` ids."""
     return (tokenizer.call_end_id, tokenizer.eot_id, tokenizer.eos_id)
 
 
-@dataclasses.dataclass
-class _Slot:
-    rec: EpisodeRecord
-    env: Env
-    goal: list[int]
-    admitted: int
-    turn: int = 0
-    cached: int = 0  # tokens of rec (+ turn) in the device cache
-    turn_toks: list[int] = dataclasses.field(default_factory=list)
-    turn_lp: list[float] = dataclasses.field(default_factory=list)
-    moved: int = 0  # KV bytes moved between prefill and decode sub-meshes since the last log
-    generating: bool = False
-    blocks: list = dataclasses.field(default_factory=list)  # [lo, hi, evicted_at or False]
+class AgentLoop:
+    """One rollout of ``tasks`` over ``options.n_slots`` slots, played a round at a time.
 
-    @property
-    def stream_len(self) -> int:
-        return len(self.rec.tokens) + len(self.turn_toks)
+    Args:
+      model: the policy (its dtype policy decides parity with training).
+      params: its parameters (:meth:`set_params` swaps them between rounds).
+      tasks: one episode per entry (``env.reset(task)``); trajectory rows follow this order and
+        episode ``i`` samples with keys folded from ``(rng, i)``.
+      env_factory: returns a fresh environment (one per episode).
+      tokenizer: shared tokenizer (stop tokens default to its ``</call> <eot> <eos>``).
+      sampling_cfg: sampling and cache shape.
+      rng: base PRNG key.
+      options: the :class:`LoopOptions` (default ``LoopOptions()``).
+      group_ids: per task group id (default: the task index).
+      greedy: per task, decode that episode greedily (argmax) although ``sampling_cfg``
+        samples; its logprobs are still the untempered policy's. Default: none.
+      stats: counters filled in place (default: new ones, ``self.state.stats``).
+      env_executor: runs the environment steps of a round concurrently (``executor.map``);
+        None steps them one after the other.
 
+    Raises:
+      ValueError: for empty ``tasks``, ``max_tokens`` out of ``[2, max_len]``, per-task lists
+        of the wrong length, or ``disaggregate`` with KV eviction.
+    """
 
-@dataclasses.dataclass
-class RolloutStats:
-    """Counters of one ``run_episodes`` call (also attached to the trajectory's logs)."""
+    def __init__(
+        self,
+        model: Transformer,
+        params,
+        tasks: Sequence[Any],
+        env_factory: Callable[[], Env],
+        tokenizer: Tokenizer,
+        sampling_cfg: SamplingConfig,
+        rng: jax.Array,
+        options: LoopOptions | None = None,
+        *,
+        group_ids: Sequence[int] | None = None,
+        greedy: Sequence[bool] | None = None,
+        stats: RolloutStats | None = None,
+        env_executor: Executor | None = None,
+    ):
+        if not tasks:
+            raise ValueError("tasks must be non-empty")
+        options = options or LoopOptions()
+        if options.n_slots is None:
+            options = dataclasses.replace(options, n_slots=len(tasks))
+        self.options = options
+        cap = sampling_cfg.max_len if options.max_tokens is None else options.max_tokens
+        if not 2 <= cap <= sampling_cfg.max_len:
+            raise ValueError(
+                f"max_tokens={options.max_tokens} must be in [2, max_len={sampling_cfg.max_len}]"
+            )
+        for name, per_task in (("group_ids", group_ids), ("greedy", greedy)):
+            if per_task is not None and len(per_task) != len(tasks):
+                raise ValueError(f"{name} has {len(per_task)} entries, tasks {len(tasks)}")
+        self.greedy = None if greedy is None or not any(greedy) else [bool(g) for g in greedy]
+        self.tasks, self.env_factory, self.tokenizer, self.rng = tasks, env_factory, tokenizer, rng
+        self.group_ids, self.cap, self.env_executor = group_ids, cap, env_executor
+        self.cfg = cfg = sampling_cfg
+        if not cfg.stop_tokens:
+            self.cfg = cfg = cfg.replace(stop_tokens=default_stop_tokens(tokenizer))
+        self.model, self.sampler = model, get_sampler(model, cfg)
+        self.weights = dict(options.process_weights)
+        mcfg = model.cfg
+        self.route_shape = (mcfg.n_layers, mcfg.experts_per_token) if mcfg.is_moe else None
+        eviction = options.eviction
+        if eviction is None and cfg.eviction_threshold > 0:
+            eviction = EvictionConfig(threshold=cfg.eviction_threshold, int8=cfg.eviction_int8)
+        self.eviction = eviction
+        self.evicting = eviction is not None and eviction.threshold > 0
+        if options.disaggregate is not None and self.evicting:
+            raise ValueError("disaggregate does not support KV eviction / int8 (eviction=...)")
+        self.params, self.split = params, None  # split: the prefill sub-mesh's copies
+        self.state = self._init_state(stats)
 
-    prefill_calls: int = 0
-    prefill_tokens: int = 0  # computed; plus shared_prefill_tokens copied from a twin slot
-    shared_prefill_tokens: int = 0
-    decode_calls: int = 0
-    decode_tokens: int = 0
-    preemptions: int = 0
-    admission_waits: int = 0
-    max_pages_in_use: int = 0
-    evicted_tokens: int = 0
-    int8_tokens: int = 0
-    kv_moved_bytes: int = 0
-    prefill_devices: set = dataclasses.field(default_factory=set)  # ids holding prefill outputs
-    decode_devices: set = dataclasses.field(default_factory=set)
+    def _init_state(self, stats: RolloutStats | None) -> LoopState:
+        """Empty slots, the page pool, the sampler state (placed on the sub-meshes)."""
+        opts, cfg = self.options, self.cfg
+        pool = None
+        if opts.n_pages is not None:
+            pool = PagePool(
+                opts.n_slots, opts.n_pages, cfg.page_size, cfg.max_len, opts.page_budget
+            )
+        decode = self.sampler.init_state(opts.n_slots, opts.n_pages, track_mass=self.evicting)
+        if opts.disaggregate is not None:
+            tables = pool.tables if pool is not None else np.asarray(decode.cache["block_tables"])
+            self.split = dis.Split(opts.disaggregate, self.sampler, self.params, decode, tables)
+            self.params, decode = self.split.params_b, self.split.to_decode(decode)
+        never = np.full((opts.n_slots, cfg.max_len), NEVER, np.int32)
+        self.state = LoopState(
+            slots=[None] * opts.n_slots,
+            queue=collections.deque(range(len(self.tasks))),
+            records=[None] * len(self.tasks),
+            logs=[],
+            pool=pool,
+            decode=decode,
+            evict_at=never,
+            int8_at=never.copy(),
+            stats=stats if stats is not None else RolloutStats(),
+        )
+        if pool is not None:
+            self.reset_slots(np.zeros(opts.n_slots, bool), pool.tables)
+            pool.dirty = False
+        return self.state
 
+    # Driving ----------------------------------------------------------------------------------
+    def done(self) -> bool:
+        """Whether every task has been played."""
+        return not self.state.busy
 
-def _twins(slots: list, n_new: np.ndarray) -> dict[int, int]:
-    """``{slot: earlier slot}`` for slots with new tokens whose whole token stream and cached
-    length equal an earlier such slot's: their caches would be computed from the same tokens
-    (the episodes of a group start from one prompt, and often read the same first tool
-    output)."""
-    first: dict[tuple, int] = {}
-    twins = {}
-    for s in np.flatnonzero(n_new):
-        sl = slots[s]
-        key = (sl.cached, *sl.rec.tokens, -1, *sl.turn_toks)
-        if key in first:
-            twins[int(s)] = first[key]
+    def step(self) -> None:
+        """One round: admit, prefill, decode, end the turns that ended, trim the pages."""
+        self.admit()
+        self.prefill()
+        ended = self.decode()
+        if ended is None:
+            return
+        self.end_turns(ended)
+        self.state.trim()
+
+    def set_params(self, params) -> None:
+        """Parameters for the following rounds (placed on both sub-meshes when disaggregated)."""
+        self.params = params if self.split is None else self.split.set_params(params)
+
+    def trajectory(self) -> Trajectory:
+        """The padded batch of the finished episodes (call once :meth:`done`); written to
+        ``options.log_path`` when set. Padded to the longest episode rounded up to the decode
+        chunk."""
+        st, cfg = self.state, self.cfg
+        done_records = [r for r in st.records if r is not None]
+        longest = max(len(r.tokens) for r in done_records)
+        pad_to = min(-(-longest // cfg.chunk) * cfg.chunk, max(cfg.max_len, longest))
+        traj = stack_episodes(
+            done_records,
+            pad_to=pad_to,
+            route_shape=self.route_shape,
+            kv_masks=self.evicting,
+            logs=st.logs,
+        )
+        if self.options.log_path is not None:
+            write_jsonl(traj, self.options.log_path)
+        return traj
+
+    # Slots ------------------------------------------------------------------------------------
+    def reset_slots(self, mask, tables=None) -> None:
+        """Empties the device slots where ``mask`` is set; optionally new block tables."""
+        st = self.state
+        st.decode = self.sampler.reset_slots(st.decode, mask, tables)
+        if self.split is not None:
+            st.decode = self.split.reset(st.decode, mask, tables)
+
+    def sync_tables(self) -> None:
+        """Uploads the pool's block tables if they changed."""
+        pool = self.state.pool
+        if pool is not None and pool.dirty:
+            self.reset_slots(np.zeros(len(self.state.slots), bool), pool.tables.copy())
+            pool.dirty = False
+
+    def sync_marks(self) -> None:
+        """Uploads the host mirrors of evict_at / int8_at when a decision changed them."""
+        st = self.state
+        if st.marks_dirty:
+            st.decode = st.decode._replace(
+                evict_at=jnp.asarray(st.evict_at), int8_at=jnp.asarray(st.int8_at)
+            )
+            st.marks_dirty = False
+
+    # 1. Admission -----------------------------------------------------------------------------
+    def new_episode(self, task_index: int) -> EpisodeSlot:
+        """Starts the environment of task ``task_index``: its prompt is the episode's stream."""
+        env = self.env_factory()
+        prompt = list(env.reset(self.tasks[task_index]))
+        gid = task_index if self.group_ids is None else int(self.group_ids[task_index])
+        rec = EpisodeRecord(uid=task_index, task_index=task_index, group_id=gid)
+        if self.route_shape is not None:
+            rec.routes = np.zeros((self.cap, *self.route_shape), np.int32)
+        rec.extend(prompt[: self.cap], action=False, turn=0)
+        bos = self.tokenizer.bos_id
+        goal = prompt[1:] if prompt and prompt[0] == bos else prompt
+        return EpisodeSlot(rec=rec, env=env, goal=goal, admitted=self.state.admitted)
+
+    def admit(self) -> None:
+        """Free slots take queued tasks or preempted episodes (all slots free in lockstep)."""
+        st = self.state
+        if not (self.options.continuous or all(sl is None for sl in st.slots)):
+            return
+        reset = np.zeros(len(st.slots), bool)
+        for s in range(len(st.slots)):
+            if st.slots[s] is not None or not st.queue:
+                continue
+            item = st.queue.popleft()
+            if isinstance(item, int):  # a new task: start its environment
+                item = self.new_episode(item)
+            if st.pool is not None and not st.pool.ensure(s, item.stream_len + 1):
+                st.stats.admission_waits += 1
+                if all(sl is None for sl in st.slots):  # can never fit: give up on it
+                    item.rec.truncated = True
+                    st.records[item.rec.task_index] = item.rec
+                else:
+                    st.queue.appendleft(item)
+                break
+            st.place(s, item)
+            reset[s] = True
+        if reset.any() or (st.pool is not None and st.pool.dirty):
+            self.reset_slots(reset, None if st.pool is None else st.pool.tables.copy())
+            if st.pool is not None:
+                st.pool.dirty = False
+
+    # 2. Prefill -------------------------------------------------------------------------------
+    def prefill(self) -> None:
+        """Appends every slot's pending environment tokens to its cache (one jitted call)."""
+        st = self.state
+        n_new = st.pending_tokens()
+        if not n_new.any():
+            return
+        self.sync_tables()
+        self.sync_marks()
+        width = self.sampler.prefill_width(n_new.max())
+        toks = np.zeros((len(st.slots), width), np.int32)
+        for s in np.nonzero(n_new)[0]:
+            sl = st.slots[s]
+            toks[s, : n_new[s]] = (sl.rec.tokens + sl.turn_toks)[sl.cached :]
+        routes = self.run_prefill(toks, n_new)
+        for s in np.nonzero(n_new)[0]:
+            sl = st.slots[s]
+            if routes is not None:
+                # resumed episodes keep the routes their tokens were first computed with
+                start = sl.cached
+                lo, hi = max(start, sl.rec.routes_upto), start + n_new[s]
+                if hi > lo:
+                    sl.rec.set_routes(lo, routes[s, lo - start : hi - start])
+                    sl.rec.routes_upto = hi
+            sl.cached += int(n_new[s])
+            sl.generating = True
+        st.stats.prefill_calls += 1
+
+    def run_prefill(self, toks: np.ndarray, n_new: np.ndarray) -> np.ndarray | None:
+        """The device prefill of ``toks`` int32 [B, W] (``n_new`` int32 [B] per slot); returns
+        the new tokens' routes [B, W, L_moe, k] (MoE) or None."""
+        st = self.state
+        # Slots with the same tokens (cached and new) as an earlier one are copied from it
+        # (not with eviction, whose per-slot decisions this would bypass).
+        twins = {} if self.split is not None or self.evicting else twin_slots(st.slots, n_new)
+        run_new = n_new.copy()
+        run_new[list(twins)] = 0
+        st.stats.prefill_tokens += int(run_new.sum())
+        st.stats.shared_prefill_tokens += int(n_new.sum() - run_new.sum())
+        if self.split is None:  # only the slots with new tokens are computed
+            st.decode, routes = self.sampler.prefill_slots(self.params, st.decode, toks, run_new)
+            if twins:
+                st.decode = self.sampler.copy_slots(st.decode, list(twins.values()), list(twins))
+                if routes is not None:
+                    routes[list(twins)] = routes[list(twins.values())]
         else:
-            first[key] = int(s)
-    return twins
+            cached = np.asarray([0 if sl is None else sl.cached for sl in st.slots])
+            st.decode, routes, moved = self.split.prefill(st.decode, toks, n_new, cached)
+            for s in np.nonzero(moved)[0]:
+                st.slots[s].moved += int(moved[s])
+            st.stats.kv_moved_bytes += int(moved.sum())
+            st.stats.prefill_devices = self.split.prefill_devices
+        return None if routes is None else np.asarray(routes)
+
+    # 3. Decode --------------------------------------------------------------------------------
+    def decode(self) -> list[int] | None:
+        """Generates for every mid-turn slot (one jitted call) and appends the tokens.
+
+        Returns:
+          The slots whose turn ended, in slot order; None when no slot was generating.
+        """
+        st, cfg = self.state, self.cfg
+        if not any(sl is not None and sl.generating for sl in st.slots):
+            return None
+        budget = st.budgets(cfg.max_new_tokens, self.cap)
+        active = np.asarray([sl is not None and sl.generating for sl in st.slots])
+        if not active.any():
+            return None
+        if st.pool is not None:
+            self.sync_tables()
+            st.stats.max_pages_in_use = max(st.stats.max_pages_in_use, st.pool.in_use)
+        self.sync_marks()
+        uids = np.asarray([sl.rec.uid if sl is not None else 0 for sl in st.slots], np.int32)
+        stop_after = 1 if self.options.continuous else int(active.sum())
+        rows = None  # None traces the all-sampled decode
+        if self.greedy is not None:
+            rows = np.asarray(
+                [sl is not None and self.greedy[sl.rec.task_index] for sl in st.slots]
+            )
+        st.decode, out = self.sampler.decode(
+            self.params, st.decode, self.rng, uids, active, budget, np.int32(stop_after), rows
+        )
+        if self.split is not None:
+            st.stats.decode_devices |= {d.id for d in out.tokens.sharding.device_set}
+        out = jax.device_get(out)
+        st.mass = None
+        st.stats.decode_calls += 1
+        st.stats.decode_tokens += int(out.n_new.sum())
+        ended = []
+        for s in np.nonzero(active)[0]:
+            sl = st.slots[s]
+            n = int(out.n_new[s])
+            start = sl.stream_len
+            sl.turn_toks += out.tokens[s, :n].tolist()
+            sl.turn_lp += out.logprobs[s, :n].tolist()
+            if out.routes is not None and n:
+                sl.rec.set_routes(start, out.routes[s, :n])
+                sl.rec.routes_upto = start + n
+            sl.cached += n
+            if turns.turn_ended(sl, cfg, self.cap):
+                ended.append(int(s))
+        return ended
+
+    # 4. Turn ends: tool calls, environment steps, records, eviction --------------------------
+    def end_turns(self, ended: Sequence[int]) -> None:
+        """Records the ended turns, steps their environments (all at once, so an executor can
+        run them together) and records what they answered, slot by slot in ``ended`` order."""
+        actions = [(s, self.close_turn(s)) for s in ended]
+        calls = [(s, a) for s, a in actions if self.room(s) > 0]
+        results = self.step_envs([(self.state.slots[s].env, a) for s, a in calls])
+        answers = dict(zip([s for s, _ in calls], results, strict=True))
+        for s, action in actions:
+            if s in answers:
+                self.record_step(s, action, *answers[s])
+            else:  # no room for an observation
+                self.state.finish(s, truncated=True)
+
+    def room(self, s: int) -> int:
+        """Tokens slot ``s``'s episode may still grow by."""
+        return self.cap - len(self.state.slots[s].rec.tokens)
+
+    def close_turn(self, s: int) -> list[int]:
+        """Appends the turn's tokens to slot ``s``'s record; returns them (the tool call)."""
+        slot = self.state.slots[s]
+        slot.turn += 1
+        slot.rec.extend(slot.turn_toks, action=True, turn=slot.turn, logprobs=slot.turn_lp)
+        action = list(slot.turn_toks)
+        slot.turn_toks, slot.turn_lp, slot.generating = [], [], False
+        return action
+
+    def step_envs(self, calls: Sequence[tuple[Env, list[int]]]) -> list[tuple[list, StepResult]]:
+        """``env.step(action)`` for every (env, action), on ``env_executor`` when given."""
+        if self.env_executor is None:
+            return [env.step(action) for env, action in calls]
+        return list(self.env_executor.map(lambda call: call[0].step(call[1]), calls))
+
+    def record_step(self, s: int, action: list[int], obs, res: StepResult) -> None:
+        """Logs the turn, evicts what later tokens no longer attend, appends the observation
+        (and the goal when it is due) and ends the episode when it is over."""
+        st, slot, cfg = self.state, self.state.slots[s], self.cfg
+        rec, room = slot.rec, self.room(s)
+        rec.process[len(rec.tokens) - 1] = weighted_process(res.process, self.weights)
+        every = self.options.goal_every
+        extra = list(slot.goal) if not res.done and every and slot.turn % every == 0 else []
+        new = list(obs) + extra
+        kv = turns.record_kv_bytes(rec, self.model.cfg, self.model.policy, cfg.page_size)
+        st.logs.append(
+            turns.turn_log(
+                st,
+                s,
+                action,
+                res,
+                kv_bytes=kv,
+                page_size=cfg.page_size,
+                prefill_tokens=0 if res.done else min(len(new), room),
+                goal_reinjected=bool(extra),
+            )  # fmt: skip
+        )
+        if self.evicting and not res.done:
+            self.evict(s)
+        lo = len(rec.tokens)
+        rec.extend(new[:room], action=False, turn=slot.turn)
+        slot.blocks.append([lo, len(rec.tokens), False])
+        if res.done:
+            turns.record_outcome(rec, res)
+            self.state.finish(s, truncated=False)
+        elif len(new) >= room or slot.turn >= self.options.max_turns or self.room(s) <= 1:
+            self.state.finish(s, truncated=True)
+
+    def evict(self, s: int) -> None:
+        """KV eviction (or int8) of slot ``s``'s finished observation blocks."""
+        st = self.state
+        if st.mass is None:
+            st.mass = np.asarray(self.sampler.attention_mass(st.decode))
+        turns.evict_blocks(
+            st,
+            s,
+            st.mass[s],
+            self.eviction,
+            chunk=self.sampler.prefill_rows,
+            page_size=self.cfg.page_size,
+            n_paged_layers=self.sampler.n_paged_layers,
+        )
 
 
 def run_episodes(
@@ -123,418 +466,35 @@ def run_episodes(
     tokenizer: Tokenizer,
     sampling_cfg: SamplingConfig,
     rng: jax.Array,
+    options: LoopOptions | None = None,
     *,
-    n_slots: int | None = None,
-    max_turns: int = 16,
-    max_tokens: int | None = None,
-    continuous: bool = True,
-    n_pages: int | None = None,
-    page_budget: int | None = None,
-    goal_every: int = 0,
     group_ids: Sequence[int] | None = None,
-    process_weights: dict[str, float] | None = None,
-    eviction: EvictionConfig | None = None,
-    log_path: str | None = None,
-    stats: RolloutStats | None = None,
-    disaggregate: dis.Disaggregation | None = None,
     greedy: Sequence[bool] | None = None,
+    stats: RolloutStats | None = None,
+    env_executor: Executor | None = None,
+    **option_fields,
 ) -> Trajectory:
     """Plays one episode per task with the model as policy; returns the padded batch.
 
-    Args:
-      model, params: the policy (its dtype policy decides parity with training).
-      tasks: one episode per entry (``env.reset(task)``); trajectory rows follow this order and
-        episode ``i`` samples with keys folded from ``(rng, i)``.
-      env_factory: returns a fresh environment (one per episode).
-      tokenizer: shared tokenizer (stop tokens default to its ``</call> <eot> <eos>``).
-      sampling_cfg: sampling and cache shape.
-      rng: base PRNG key.
-      n_slots: sequences decoded together (default ``len(tasks)``); the trainer's parity
-        recompute uses the same batch size.
-      max_turns: model turns per episode.
-      max_tokens: tokens per episode (default and cap: ``sampling_cfg.max_len``).
-      continuous: refill/step slots individually (True) or in lockstep waves (False).
-      n_pages: shared KV page pool size (None: every slot owns ``max_len`` worth of pages).
-      page_budget: pages the allocator may use out of ``n_pages`` (default all).
-      goal_every: if > 0, after every ``goal_every``-th turn the prompt (without ``<bos>``) is
-        appended again as environment tokens.
-      group_ids: per task group id (default: the task index).
-      process_weights: weight per process-signal key (default 1.0 each) for ``process_rewards``.
-      eviction: KV eviction / int8 policy for finished tool outputs (see ``kv_cache.py``);
-        None: from ``sampling_cfg.eviction_threshold`` / ``eviction_int8`` (off by default).
-      log_path: if given, the per-turn records are appended there as JSONL.
-      stats: optional counters filled in place.
-      disaggregate: prefill and decode on separate device sub-meshes (module docstring).
-      greedy: per task, decode that episode greedily (argmax) although ``sampling_cfg``
-        samples (e.g. one greedy member per RL group); its logprobs are still the untempered
-        policy's. Default: none.
+    Arguments are :class:`AgentLoop`'s; ``option_fields`` (``n_slots=``, ``max_turns=``,
+    ``max_tokens=``, ``continuous=``, ``n_pages=``, ``page_budget=``, ``goal_every=``,
+    ``process_weights=``, ``eviction=``, ``log_path=``, ``disaggregate=``) override fields of
+    ``options`` (default ``LoopOptions()``).
 
     Returns:
       The :class:`Trajectory`, padded to the longest episode rounded up to the decode chunk.
 
     Raises:
-      ValueError: for empty ``tasks``, ``n_slots < 1``, ``max_turns < 1``, ``max_tokens`` out
-        of ``[2, max_len]``, or ``disaggregate`` with KV eviction.
+      ValueError: as :class:`AgentLoop` and :class:`LoopOptions`.
+      TypeError: for a keyword that is no ``LoopOptions`` field.
     """
     if not tasks:
         raise ValueError("tasks must be non-empty")
-    n_slots = len(tasks) if n_slots is None else n_slots
-    if n_slots < 1:
-        raise ValueError(f"n_slots={n_slots} must be >= 1")
-    if max_turns < 1:
-        raise ValueError(f"max_turns={max_turns} must be >= 1")
-    cap = sampling_cfg.max_len if max_tokens is None else max_tokens
-    if not 2 <= cap <= sampling_cfg.max_len:
-        raise ValueError(f"max_tokens={max_tokens} must be in [2, max_len={sampling_cfg.max_len}]")
-    if group_ids is not None and len(group_ids) != len(tasks):
-        raise ValueError(f"group_ids has {len(group_ids)} entries, tasks {len(tasks)}")
-    if greedy is not None and len(greedy) != len(tasks):
-        raise ValueError(f"greedy has {len(greedy)} entries, tasks {len(tasks)}")
-    greedy = None if greedy is None or not any(greedy) else [bool(g) for g in greedy]
-    cfg = sampling_cfg
-    if not cfg.stop_tokens:
-        cfg = cfg.replace(stop_tokens=default_stop_tokens(tokenizer))
-    sampler = get_sampler(model, cfg)
-    mcfg, policy = model.cfg, model.policy
-    stats = stats if stats is not None else RolloutStats()
-    weights = process_weights or {}
-    route_shape = (mcfg.n_layers, mcfg.experts_per_token) if mcfg.is_moe else None
-    pool = None
-    if n_pages is not None:
-        pool = PagePool(n_slots, n_pages, cfg.page_size, cfg.max_len, usable=page_budget)
-    if eviction is None and cfg.eviction_threshold > 0:
-        eviction = EvictionConfig(threshold=cfg.eviction_threshold, int8=cfg.eviction_int8)
-    evicting = eviction is not None and eviction.threshold > 0
-    if disaggregate is not None and evicting:
-        raise ValueError("disaggregate does not support KV eviction / int8 (eviction=...)")
-    state = sampler.init_state(n_slots, n_pages, track_mass=evicting)
-    split = None  # disaggregated: `state` lives on the decode mesh, split.state_a on prefill's
-    if disaggregate is not None:
-        tables = pool.tables if pool is not None else np.asarray(state.cache["block_tables"])
-        split = dis.Split(disaggregate, sampler, params, state, tables)
-        params, state = split.params_b, split.to_decode(state)
-
-    def reset_slots(mask, tables=None):
-        nonlocal state
-        state = sampler.reset_slots(state, mask, tables)
-        if split is not None:
-            state = split.reset(state, mask, tables)
-
-    if pool is not None:
-        reset_slots(np.zeros(n_slots, bool), pool.tables)
-        pool.dirty = False
-    int8 = evicting and eviction.int8
-    never = np.iinfo(np.int32).max
-    evict_np = np.full((n_slots, cfg.max_len), never, np.int32)  # host mirror of evict_at
-    int8_np = np.full((n_slots, cfg.max_len), never, np.int32)  # host mirror of int8_at
-    dirty = {"evict": False, "mass": None}
-
-    def kv_bytes(rec: EpisodeRecord) -> int:
-        n = len(rec.tokens)
-        q8 = [p for p, at in rec.int8_at.items() if at <= n]  # in effect at this length
-        pages = len({p // cfg.page_size for p in q8})
-        return kv_bytes_per_seq(mcfg, policy, n, cfg.page_size, len(q8), int8_pages=pages)
-
-    def sync(state):
-        """Uploads the host mirrors of evict_at / int8_at when a decision changed them."""
-        if dirty["evict"]:
-            state = state._replace(evict_at=jnp.asarray(evict_np), int8_at=jnp.asarray(int8_np))
-            dirty["evict"] = False
-        return state
-
-    records: list[EpisodeRecord | None] = [None] * len(tasks)
-    slots: list[_Slot | None] = [None] * n_slots
-    queue: collections.deque = collections.deque(range(len(tasks)))
-    logs: list[dict] = []
-    admitted = 0
-
-    def finish(s: int, *, truncated: bool) -> None:
-        slot = slots[s]
-        slot.rec.truncated = truncated and not slot.rec.done
-        records[slot.rec.task_index] = slot.rec
-        slots[s] = None
-        if pool is not None:
-            pool.release(s)
-
-    def preempt(s: int) -> None:
-        slot = slots[s]
-        slot.cached = 0
-        queue.appendleft(slot)
-        slots[s] = None
-        if pool is not None:
-            pool.release(s)
-        stats.preemptions += 1
-
-    def youngest(exclude: int | None = None) -> int | None:
-        cands = [i for i, sl in enumerate(slots) if sl is not None and i != exclude]
-        return max(cands, key=lambda i: slots[i].admitted) if cands else None
-
-    def evict_blocks(s: int) -> None:
-        """Evicts (or, with ``eviction.int8``, moves to int8) finished observation blocks of
-        slot ``s`` that later tokens barely attend."""
-        slot = slots[s]
-        n = len(slot.rec.tokens)  # everything so far is cached
-        if dirty["mass"] is None:
-            dirty["mass"] = np.asarray(sampler.attention_mass(state))
-        mass = dirty["mass"][s]
-        c = sampler.prefill_rows
-        at = -(-n // c) * c  # first chunk-aligned position: takes effect there
-        for block in slot.blocks:
-            lo, hi, done = block
-            if done:
-                if block[2] <= n and pool is not None and not int8:  # invisible: free pages
-                    ps = cfg.page_size
-                    pool.release_pages(s, range(-(-lo // ps), hi // ps))
-                continue
-            if hi - lo < eviction.min_block or n <= hi:
-                continue
-            share = float(mass[lo:hi].sum()) / (sampler.n_paged_layers * (n - hi))
-            if share < eviction.threshold:
-                block[2] = at
-                (int8_np if int8 else evict_np)[s, lo:hi] = at
-                record = slot.rec.int8_at if int8 else slot.rec.evict_at
-                for pos in range(lo, hi):
-                    record[pos] = at
-                if int8:
-                    stats.int8_tokens += hi - lo
-                else:
-                    stats.evicted_tokens += hi - lo
-                dirty["evict"] = True
-
-    def end_turn(s: int) -> None:
-        slot = slots[s]
-        rec = slot.rec
-        slot.turn += 1
-        rec.extend(slot.turn_toks, action=True, turn=slot.turn, logprobs=slot.turn_lp)
-        action = list(slot.turn_toks)
-        slot.turn_toks, slot.turn_lp, slot.generating = [], [], False
-        room = cap - len(rec.tokens)
-        if room <= 0:
-            finish(s, truncated=True)
-            return
-        obs, res = slot.env.step(action)
-        rec.process[len(rec.tokens) - 1] = weighted_process(res.process, weights)
-        extra = []
-        if not res.done and goal_every and slot.turn % goal_every == 0:
-            extra = list(slot.goal)
-        new = list(obs) + extra
-        kv = kv_bytes(rec)
-        slot.moved, moved = 0, slot.moved
-        logs.append(
-            dict(
-                episode=rec.uid,
-                turn=slot.turn,
-                tool=res.log.get("tool", ""),
-                args=list(res.log.get("args", ())),
-                output=res.log.get("output", ""),
-                error=bool(res.log.get("error", False)),
-                process=dict(res.process),
-                pages_in_use=pool.owned(s) if pool else -(-len(rec.tokens) // cfg.page_size),
-                pool_pages_in_use=pool.in_use if pool else None,
-                kv_bytes=kv,
-                kv_moved_bytes=moved,
-                int8_tokens=sum(at <= len(rec.tokens) for at in rec.int8_at.values()),
-                tokens_so_far=len(rec.tokens),
-                new_tokens=len(action),
-                prefill_tokens=0 if res.done else min(len(new), room),
-                goal_reinjected=bool(extra),
-            )
-        )
-        if evicting and not res.done:
-            evict_blocks(s)
-        lo = len(rec.tokens)
-        rec.extend(new[:room], action=False, turn=slot.turn)
-        slot.blocks.append([lo, len(rec.tokens), False])
-        if res.done:
-            rec.done = True
-            rec.outcome = float(res.outcome_reward)
-            rec.success = bool(res.log.get("success", res.outcome_reward > 0))
-            rec.goal_adhered = bool(res.log.get("goal_adhered", True))
-            finish(s, truncated=False)
-        elif len(new) >= room or slot.turn >= max_turns or len(rec.tokens) >= cap - 1:
-            finish(s, truncated=True)
-
-    while queue or any(sl is not None for sl in slots):
-        # 1. admission --------------------------------------------------------------------
-        reset = np.zeros(n_slots, bool)
-        if continuous or all(sl is None for sl in slots):
-            for s in range(n_slots):
-                if slots[s] is not None or not queue:
-                    continue
-                item = queue.popleft()
-                if isinstance(item, int):  # a new task: start its environment
-                    env = env_factory()
-                    prompt = list(env.reset(tasks[item]))
-                    gid = item if group_ids is None else int(group_ids[item])
-                    rec = EpisodeRecord(uid=item, task_index=item, group_id=gid)
-                    if route_shape is not None:
-                        rec.routes = np.zeros((cap, *route_shape), np.int32)
-                    rec.extend(prompt[:cap], action=False, turn=0)
-                    goal = prompt[1:] if prompt and prompt[0] == tokenizer.bos_id else prompt
-                    item = _Slot(rec=rec, env=env, goal=goal, admitted=admitted)
-                if pool is not None and not pool.ensure(s, item.stream_len + 1):
-                    stats.admission_waits += 1
-                    if all(sl is None for sl in slots):  # can never fit: give up on it
-                        item.rec.truncated = True
-                        records[item.rec.task_index] = item.rec
-                    else:
-                        queue.appendleft(item)
-                    break
-                slot = item
-                slot.admitted = admitted
-                slot.cached = 0
-                evict_np[s] = never
-                int8_np[s] = never
-                for pos, at in slot.rec.evict_at.items():
-                    evict_np[s, pos] = at
-                for pos, at in slot.rec.int8_at.items():
-                    int8_np[s, pos] = at
-                dirty["evict"] = dirty["evict"] or bool(slot.rec.evict_at or slot.rec.int8_at)
-                admitted += 1
-                slots[s] = slot
-                reset[s] = True
-            if reset.any() or (pool is not None and pool.dirty):
-                reset_slots(reset, None if pool is None else pool.tables.copy())
-                if pool is not None:
-                    pool.dirty = False
-
-        # 2. prefill pending environment tokens -------------------------------------------
-        n_new = np.zeros(n_slots, np.int32)
-        lengths = np.zeros(n_slots, np.int32)
-        for s, sl in enumerate(slots):
-            if sl is not None:
-                lengths[s] = sl.cached
-                n_new[s] = len(sl.rec.tokens) + len(sl.turn_toks) - sl.cached
-        if n_new.any():
-            for s in np.nonzero(n_new)[0]:
-                while pool is not None and slots[s] is not None:
-                    if pool.ensure(s, int(lengths[s] + n_new[s])):
-                        break
-                    victim = youngest(exclude=s)
-                    preempt(victim if victim is not None else s)
-            n_new = np.asarray(
-                [0 if slots[s] is None else n_new[s] for s in range(n_slots)], np.int32
-            )
-        if n_new.any():
-            if pool is not None and pool.dirty:
-                reset_slots(np.zeros(n_slots, bool), pool.tables.copy())
-                pool.dirty = False
-            state = sync(state)
-            width = sampler.prefill_width(n_new.max())
-            toks = np.zeros((n_slots, width), np.int32)
-            for s in np.nonzero(n_new)[0]:
-                sl = slots[s]
-                stream = sl.rec.tokens + sl.turn_toks
-                toks[s, : n_new[s]] = stream[sl.cached :]
-            # Slots with the same tokens (cached and new) as an earlier one are copied from it
-            # (not with eviction, whose per-slot decisions this would bypass).
-            twins = {} if split is not None or evicting else _twins(slots, n_new)
-            run_new = n_new.copy()
-            run_new[list(twins)] = 0
-            stats.prefill_tokens += int(run_new.sum())
-            stats.shared_prefill_tokens += int(n_new.sum() - run_new.sum())
-            if split is None:  # only the slots with new tokens are computed
-                state, routes = sampler.prefill_slots(params, state, toks, run_new)
-                if twins:
-                    state = sampler.copy_slots(state, list(twins.values()), list(twins))
-                    if routes is not None:
-                        routes[list(twins)] = routes[list(twins.values())]
-            else:
-                cached = np.asarray([0 if sl is None else sl.cached for sl in slots])
-                state, routes, moved = split.prefill(state, toks, n_new, cached)
-                for s in np.nonzero(moved)[0]:
-                    slots[s].moved += int(moved[s])
-                stats.kv_moved_bytes += int(moved.sum())
-                stats.prefill_devices = split.prefill_devices
-            routes = None if routes is None else np.asarray(routes)
-            for s in np.nonzero(n_new)[0]:
-                sl = slots[s]
-                if routes is not None:
-                    # resumed episodes keep the routes their tokens were first computed with
-                    start = sl.cached
-                    lo = max(start, sl.rec.routes_upto)
-                    hi = start + n_new[s]
-                    if hi > lo:
-                        sl.rec.set_routes(lo, routes[s, lo - start : hi - start])
-                        sl.rec.routes_upto = hi
-                sl.cached += int(n_new[s])
-                sl.generating = True
-            stats.prefill_calls += 1
-
-        # 3. decode -----------------------------------------------------------------------
-        active = np.asarray([sl is not None and sl.generating for sl in slots])
-        if not active.any():
-            continue
-        budget = np.zeros(n_slots, np.int32)
-        for s in np.nonzero(active)[0]:
-            sl = slots[s]
-            if sl is None:  # preempted by an earlier slot of this loop
-                continue
-            budget[s] = max(0, min(cfg.max_new_tokens - len(sl.turn_toks), cap - sl.stream_len))
-            while pool is not None and budget[s] > 0:
-                if pool.ensure(s, sl.stream_len + budget[s]):
-                    break
-                room = pool.room(s, sl.stream_len)
-                if room > 0:
-                    pool.ensure(s, sl.stream_len + room)
-                    budget[s] = room
-                    break
-                victim = youngest(exclude=s)
-                preempt(victim if victim is not None else s)
-                if victim is None:
-                    break
-        active = np.asarray([sl is not None and sl.generating for sl in slots])
-        if not active.any():
-            continue
-        if pool is not None:
-            if pool.dirty:
-                reset_slots(np.zeros(n_slots, bool), pool.tables.copy())
-                pool.dirty = False
-            stats.max_pages_in_use = max(stats.max_pages_in_use, pool.in_use)
-        state = sync(state)
-        uids = np.asarray([sl.rec.uid if sl is not None else 0 for sl in slots], np.int32)
-        stop_after = 1 if continuous else int(active.sum())
-        rows = None  # None traces the all-sampled decode
-        if greedy is not None:
-            rows = np.asarray([sl is not None and greedy[sl.rec.task_index] for sl in slots])
-        state, out = sampler.decode(
-            params, state, rng, uids, active, budget, np.int32(stop_after), rows
-        )
-        if split is not None:
-            stats.decode_devices |= {d.id for d in out.tokens.sharding.device_set}
-        out = jax.device_get(out)
-        dirty["mass"] = None
-        stats.decode_calls += 1
-        stats.decode_tokens += int(out.n_new.sum())
-        for s in np.nonzero(active)[0]:
-            sl = slots[s]
-            n = int(out.n_new[s])
-            start = sl.stream_len
-            sl.turn_toks += out.tokens[s, :n].tolist()
-            sl.turn_lp += out.logprobs[s, :n].tolist()
-            if out.routes is not None and n:
-                sl.rec.set_routes(start, out.routes[s, :n])
-                sl.rec.routes_upto = start + n
-            sl.cached += n
-            last = sl.turn_toks[-1] if sl.turn_toks else None
-            if (
-                last in cfg.stop_tokens
-                or len(sl.turn_toks) >= cfg.max_new_tokens
-                or sl.stream_len >= cap
-            ):
-                end_turn(s)
-        if pool is not None:
-            for s, sl in enumerate(slots):
-                if sl is not None:
-                    pool.trim(s, sl.cached)
-
-    done_records = [r for r in records if r is not None]
-    c = cfg.chunk
-    longest = max(len(r.tokens) for r in done_records)
-    pad_to = min(-(-longest // c) * c, max(cfg.max_len, longest))
-    traj = stack_episodes(
-        done_records, pad_to=pad_to, route_shape=route_shape, kv_masks=evicting, logs=logs
-    )
-    if log_path is not None:
-        write_jsonl(traj, log_path)
-    return traj
+    options = dataclasses.replace(options or LoopOptions(), **option_fields)
+    loop = AgentLoop(
+        model, params, tasks, env_factory, tokenizer, sampling_cfg, rng, options,
+        group_ids=group_ids, greedy=greedy, stats=stats, env_executor=env_executor,
+    )  # fmt: skip
+    while not loop.done():
+        loop.step()
+    return loop.trajectory()

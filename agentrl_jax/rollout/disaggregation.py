@@ -143,6 +143,11 @@ class Split:
         self.prefill_devices: set[int] = set()
         self.decode_devices: set[int] = set()
 
+    def set_params(self, params):
+        """New parameters on both sub-meshes; returns the decode-side copy."""
+        self.params_a, self.params_b = place(params, self.mesh_a), place(params, self.mesh_b)
+        return self.params_b
+
     def to_decode(self, tree):
         return place(tree, self.mesh_b)
 

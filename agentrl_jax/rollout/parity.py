@@ -1,9 +1,9 @@
 """The trainer's logprobs of a trajectory, computed the way the sampler computed them.
 
 ``trainer_logprobs`` is what training uses to recompute logprobs of rollout tokens:
-  * ``policy.parity`` (``fp32-parity``, ``bf16-parity``): ``forward_chunked`` with the sampler's
-    decode chunk, page size and cache capacity, over micro-batches of the sampler's slot count;
-    the result equals the rollout's logprobs bitwise (tested), MoE included;
+  * ``policy.parity`` (``fp32-parity``, ``bf16-parity``): ``model.chunked.chunked_logits`` with
+    the sampler's chunk, page size and cache capacity, over micro-batches of the sampler's slot
+    count; the result equals the rollout's logprobs bitwise (tested), MoE included;
   * otherwise the plain teacher-forced pass (fast; its mismatch is measured, not zero).
 With ``replay_kv`` the recorded KV eviction (``Trajectory.kv_evict_at``) and int8 decisions
 (``Trajectory.kv_int8_at``) are applied chunk by chunk, so a compressed rollout stays on-policy;
@@ -18,36 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from agentrl_jax.model.chunked import NEVER, ChunkSpec, sequence_logprobs
 from agentrl_jax.model.transformer import Transformer
 from agentrl_jax.precision import DTypePolicy
-from agentrl_jax.rollout.sampler import SamplingConfig, fixed_order_logprobs
+from agentrl_jax.rollout.sampler import SamplingConfig
 from agentrl_jax.rollout.trajectory import Trajectory
 
-_NEVER = np.iinfo(np.int32).max
 
-
-def _chunked_forward(
-    model, params, tokens, evict_at, int8_at, replay_routes, *, chunk, page_size, max_len
-):
-    """The trainer's chunked pass (``rl.logprobs.chunked_logits``): one implementation of the
-    sampler's computation, with per-chunk KV visibility ``keep = chunk_start < evict_at`` and
-    int8 round trips from ``int8_at`` on."""
-    from agentrl_jax.rl.logprobs import ChunkSpec, chunked_logits
-
-    spec = ChunkSpec(chunk=chunk, page_size=page_size, max_len=max_len)
-    logits, extras = chunked_logits(
-        model,
-        params,
-        tokens,
-        spec,
-        evict_at=evict_at,
-        int8_at=int8_at,
-        replay_routes=replay_routes,
-    )
-    return logits, extras.get("routes")
-
-
-def sequence_logprobs(
+def rollout_aligned_logprobs(
     model: Transformer,
     params,
     tokens: jax.Array,
@@ -57,41 +35,48 @@ def sequence_logprobs(
     int8_at: jax.Array | None = None,
     replay_routes: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Jittable, differentiable logprobs of ``tokens`` as training computes them.
+    """Jittable, differentiable logprobs of ``tokens`` as training computes them, aligned with
+    the tokens as ``Trajectory.rollout_logprobs`` is.
 
-    Under ``model.policy.parity`` the chunked pass of the sampler (``sampling_cfg`` chunk, page
-    size, max_len; optional recorded ``evict_at`` / ``int8_at`` int32 [B, T]); else the plain
-    teacher pass.
-    Logprobs use :func:`fixed_order_logprobs` like the sampler.
+    ``model.chunked.sequence_logprobs`` (under ``model.policy.parity`` the sampler's chunked
+    pass with ``sampling_cfg``'s chunk, page size and max_len, and the optional recorded
+    ``evict_at`` / ``int8_at`` int32 [B, T]; else the plain teacher pass), shifted by one
+    position: entry t is the logprob of token t itself.
 
     Args:
+      model: the Transformer (its policy decides the path).
+      params: model parameters.
       tokens: int32 [B, T] (T a multiple of the chunk and <= max_len for parity).
+      sampling_cfg: the sampler's config; required by parity policies.
+      evict_at: optional int32 [B, T] recorded KV evictions (parity only).
+      int8_at: optional int32 [B, T] recorded int8 KV decisions (parity only).
       replay_routes: optional int32 [B, T, L_moe, k] routing replay.
 
     Returns:
       (logp f32 [B, T], logp[:, 0] = 0, routes int32 [B, T, L_moe, k] or None).
+
+    Raises:
+      ValueError: a parity policy without ``sampling_cfg``, or ``evict_at`` / ``int8_at``
+        without one.
     """
+    spec = None
     if model.policy.parity:
         if sampling_cfg is None:
             raise ValueError("a parity policy needs the sampler's sampling_cfg")
-        logits, routes = _chunked_forward(
-            model,
-            params,
-            tokens,
-            evict_at,
-            int8_at,
-            replay_routes,
-            chunk=sampling_cfg.chunk,
-            page_size=sampling_cfg.page_size,
-            max_len=sampling_cfg.max_len,
-        )
-    else:
-        if evict_at is not None or int8_at is not None:
-            raise ValueError("evict_at / int8_at (KV replay) needs a parity policy")
-        logits, _, extras = model.apply(params, tokens, replay_routes=replay_routes)
-        routes = extras.get("routes")
-    lp = fixed_order_logprobs(logits[:, :-1], tokens[:, 1:])
-    return jnp.pad(lp, ((0, 0), (1, 0))), routes
+        spec = ChunkSpec(sampling_cfg.chunk, sampling_cfg.page_size, sampling_cfg.max_len)
+    elif evict_at is not None or int8_at is not None:
+        raise ValueError("evict_at / int8_at (KV replay) needs a parity policy")
+    lp, _, extras = sequence_logprobs(
+        model,
+        params,
+        tokens,
+        evict_at=evict_at,
+        int8_at=int8_at,
+        replay_routes=replay_routes,
+        chunk_spec=spec,
+        with_entropy=False,
+    )
+    return jnp.pad(lp, ((0, 0), (1, 0))), extras.get("routes")
 
 
 @functools.cache
@@ -100,7 +85,7 @@ def _logprob_fn(model_cfg, policy: DTypePolicy, sampling_cfg: SamplingConfig | N
 
     @jax.jit
     def fn(params, tokens, evict_at, int8_at):
-        return sequence_logprobs(
+        return rollout_aligned_logprobs(
             model,
             params,
             tokens,
@@ -152,10 +137,10 @@ def trainer_logprobs(
             raise ValueError(f"traj length {t} must be a multiple of chunk={c} and <= {m}")
     if replay_kv and (traj.kv_evict_at is None or not policy.parity):
         raise ValueError("replay_kv needs traj.kv_evict_at and a parity policy")
-    never = np.full((b, t), _NEVER, np.int32)
+    never = np.full((b, t), NEVER, np.int32)
     evict = np.asarray(traj.kv_evict_at, np.int32) if replay_kv else never
     int8 = never
-    if replay_kv and traj.kv_int8_at is not None and (np.asarray(traj.kv_int8_at) != _NEVER).any():
+    if replay_kv and traj.kv_int8_at is not None and (np.asarray(traj.kv_int8_at) != NEVER).any():
         int8 = np.asarray(traj.kv_int8_at, np.int32)
     replay = "int8" if int8 is not never else bool(replay_kv)
     fn = _logprob_fn(model.cfg, policy, sampling_cfg if policy.parity else None, replay)

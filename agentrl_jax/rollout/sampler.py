@@ -7,7 +7,8 @@ k experts per token.
 Both paths call the model's chunk function ``model.apply(params, tokens[B, C'], cache=...,
 valid=...)``: decode feeds one valid row padded to ``C`` rows, prefill feeds ``Cp``-row chunks.
 With ``Cp == C`` (forced for ``policy.parity``) every token's logits are computed exactly as
-``forward_chunked(chunk=C, page_size, max_len)`` computes them in training (bitwise).
+``model.chunked.chunked_logits`` with the same chunk, page size and ``max_len`` computes them
+in training (bitwise).
 
 Decode kernel: under non-parity policies (and ``SamplingConfig.decode_kernel``, the default)
 decode feeds one row per step to a model built with ``decode_kernel=True``, so F/D layers attend
@@ -47,9 +48,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from agentrl_jax.model.chunked import NEVER, fixed_order_logprobs
 from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache
-
-_NEVER = jnp.iinfo(jnp.int32).max
+from agentrl_jax.rollout import slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,30 +172,6 @@ def filter_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return x
 
 
-def _tree_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis as a fixed pairwise tree (same bits whatever the leading shape)."""
-    n = x.shape[-1]
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << (n - 1).bit_length()) - n)])
-    while x.shape[-1] > 1:
-        h = x.shape[-1] // 2
-        x = x[..., :h] + x[..., h:]
-    return x[..., 0]
-
-
-def fixed_order_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """log softmax(logits)[tokens] with a fixed-order sum: fp32 [..., V], int [...] -> f32 [...].
-
-    ``jnp.sum``/``logsumexp`` reduce in an order XLA picks per shape, so the sampler's [B, V]
-    rows and the trainer's [B, T, V] block differ in the last bit; the explicit pairwise tree
-    does not. Differentiable (the max shift is a constant).
-    """
-    logits = logits.astype(jnp.float32)
-    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    lse = m[..., 0] + jnp.log(_tree_sum(jnp.exp(logits - m)))
-    picked = jnp.take_along_axis(logits, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return picked - lse
-
-
 def token_keys(rng: jax.Array, uids: jax.Array, positions: jax.Array) -> jax.Array:
     """Per-slot keys ``fold_in(fold_in(rng, uid), position)``: [B] uids/positions -> [B] keys."""
     return jax.vmap(lambda u, p: jax.random.fold_in(jax.random.fold_in(rng, u), p))(uids, positions)
@@ -254,7 +231,8 @@ class Sampler:
         self.decode_model = Transformer(mcfg, model.policy, decode_kernel=True)
         self.prefill = jax.jit(self._prefill, donate_argnums=1)
         self.prefill_rows_of = jax.jit(self._prefill_rows_of, donate_argnums=1)
-        self._copy = jax.jit(self._copy_slots, donate_argnums=0)
+        copy = functools.partial(slots.copy_slots, pattern=mcfg.layer_pattern)
+        self._copy = jax.jit(copy, donate_argnums=0)
         self.decode = jax.jit(self._decode, donate_argnums=1)
 
     # State ----------------------------------------------------------------------------------
@@ -278,8 +256,8 @@ class Sampler:
         return DecodeState(
             cache=cache,
             logits=jnp.zeros((batch, self.model.cfg.vocab_size), jnp.float32),
-            evict_at=jnp.full((batch, self.cfg.max_len), _NEVER, jnp.int32),
-            int8_at=jnp.full((batch, self.cfg.max_len), _NEVER, jnp.int32),
+            evict_at=jnp.full((batch, self.cfg.max_len), NEVER, jnp.int32),
+            int8_at=jnp.full((batch, self.cfg.max_len), NEVER, jnp.int32),
         )
 
     @property
@@ -288,26 +266,9 @@ class Sampler:
         return counts["F"] + counts["D"]
 
     def reset_slots(self, state: DecodeState, mask, block_tables=None) -> DecodeState:
-        """Empties the slots where ``mask`` (bool [B]) is set; optionally new block tables.
-
-        Stale keys stay in the buffers but are masked by ``lengths`` (model cache contract).
-        """
-        mask = jnp.asarray(mask)
-        cache = dict(state.cache)
-        cache["lengths"] = jnp.where(mask, 0, cache["lengths"])
-        if block_tables is not None:
-            cache["block_tables"] = jnp.asarray(block_tables, jnp.int32)
-        cache["layers"] = {
-            name: (
-                {**layer, "mass": jnp.where(mask[None, :, None], 0.0, layer["mass"])}
-                if "mass" in layer
-                else layer
-            )
-            for name, layer in cache["layers"].items()
-        }
-        evict = jnp.where(mask[:, None], _NEVER, state.evict_at)
-        int8 = jnp.where(mask[:, None], _NEVER, state.int8_at)
-        return DecodeState(cache, state.logits, evict, int8)
+        """Empties the slots where ``mask`` (bool [B]) is set; optionally new block tables
+        (``slots.reset_slots``)."""
+        return slots.reset_slots(state, mask, block_tables)
 
     @staticmethod
     def tracks_mass(state: DecodeState) -> bool:
@@ -379,11 +340,6 @@ class Sampler:
             routes = routes[:, :tp]
         return state._replace(cache=cache, logits=last), routes
 
-    def _per_slot(self, layer_name: str, key: str) -> bool:
-        """Whether cache array ``layers[layer_name][key]`` has one entry per slot (axis 1):
-        S rings and the attention-mass accumulators; F/D pages are a pool shared by all slots."""
-        return key == "mass" or self.model.cfg.layer_pattern[int(layer_name[6:])] == "S"
-
     def _prefill_rows_of(self, params, state: DecodeState, rows, tokens, n_new):
         """:meth:`_prefill` of the slots ``rows`` only: the others are not computed at all.
 
@@ -393,37 +349,9 @@ class Sampler:
         gathered, prefilled as a batch of R against the shared page pool, and scattered back.
         Returns (new state, routes int32 [R, Tp, L_moe, k] in the order of ``rows``, or None).
         """
-        cache = state.cache
-        if set(cache) != {"layers", "lengths", "block_tables"}:
-            raise ValueError(f"unexpected cache entries {sorted(cache)}")
-        take = lambda name, key, a: a[:, rows] if self._per_slot(name, key) else a
-        sub = DecodeState(
-            cache={
-                "layers": {
-                    name: {key: take(name, key, a) for key, a in layer.items()}
-                    for name, layer in cache["layers"].items()
-                },
-                "lengths": cache["lengths"][rows],
-                "block_tables": cache["block_tables"][rows],
-            },
-            logits=state.logits[rows],
-            evict_at=state.evict_at[rows],
-            int8_at=state.int8_at[rows],
-        )
-        sub, routes = self._prefill(params, sub, tokens, n_new)
-        put = lambda name, key, a, b: a.at[:, rows].set(b) if self._per_slot(name, key) else b
-        layers = {
-            name: {
-                key: put(name, key, a, sub.cache["layers"][name][key]) for key, a in layer.items()
-            }
-            for name, layer in cache["layers"].items()
-        }
-        new_cache = {
-            "layers": layers,
-            "lengths": cache["lengths"].at[rows].set(sub.cache["lengths"]),
-            "block_tables": cache["block_tables"],
-        }
-        return state._replace(cache=new_cache, logits=state.logits.at[rows].set(sub.logits)), routes
+        pattern = self.model.cfg.layer_pattern
+        sub, routes = self._prefill(params, slots.gather_slots(state, rows, pattern), tokens, n_new)
+        return slots.scatter_slots(state, rows, sub, pattern), routes
 
     def prefill_slots(self, params, state: DecodeState, tokens, n_new):
         """Prefill of the slots with ``n_new > 0`` only (tokens int32 [B, Tp], n_new int32 [B]).
@@ -432,19 +360,16 @@ class Sampler:
         carry one or a few slots' tool outputs, so most of its work is discarded. Here the slots
         with new tokens are padded with idle ones to R in {1, 4, 16, ...} (capped at B, few
         compiles) and run through :meth:`prefill_rows_of`. The values equal :meth:`prefill`'s up
-        to fp32 rounding: XLA picks matmul kernels by row count (measured on CPU: a 1-slot
-        prefill's K projection differs from the 6-slot one in the last bit), so under a parity
-        policy, whose bits must match the trainer's recompute at the rollout's batch size, this
-        is :meth:`prefill`. Returns (new state, routes [B, Tp, L_moe, k] numpy with the rows of
-        untouched slots zero, or None).
+        to fp32 rounding: XLA picks matmul kernels by row count, so fewer rows can round the
+        projections differently in the last bit; under a parity policy, whose bits must match
+        the trainer's recompute at the rollout's batch size, this is :meth:`prefill`. Returns
+        (new state, routes [B, Tp, L_moe, k] numpy with the rows of untouched slots zero, or
+        None).
         """
         n_new = np.asarray(n_new, np.int32)
         b = n_new.shape[0]
         busy = np.flatnonzero(n_new > 0)
-        r = 1
-        while r < len(busy):
-            r *= 4
-        r = min(r, b)
+        r = slots.bucket(len(busy), b)
         if r == b or self.model.policy.parity:
             state, routes = self.prefill(params, state, tokens, n_new)
             return state, None if routes is None else np.array(routes)  # writable
@@ -459,40 +384,6 @@ class Sampler:
         routes[rows] = np.asarray(sub_routes)
         return state, routes
 
-    def _copy_slots(self, state: DecodeState, src, dst) -> DecodeState:
-        """Slot ``dst[i]`` becomes a copy of slot ``src[i]``: its pages' K/V (through both block
-        tables: the pages are copied, not shared), rings, attention mass, length, logits and
-        eviction positions. src, dst int32 [M]; no dst may be a src (a pair with
-        src == dst is a no-op, for padding)."""
-        cache = state.cache
-        tables = cache["block_tables"]
-        pools = [
-            a
-            for name, layer in cache["layers"].items()
-            for key, a in layer.items()
-            if not self._per_slot(name, key)
-        ]
-        n_pages = pools[0].shape[1] if pools else 0  # F/D pools: [G, P, L, K, H]
-        src_pages = jnp.maximum(tables[src], 0).reshape(-1)
-        dst_pages = jnp.where(tables[dst] >= 0, tables[dst], n_pages).reshape(-1)  # -1: dropped
-
-        def copy(name, key, a):
-            if self._per_slot(name, key):
-                return a.at[:, dst].set(a[:, src])
-            return a.at[:, dst_pages].set(a[:, src_pages], mode="drop")
-
-        layers = {
-            name: {key: copy(name, key, a) for key, a in layer.items()}
-            for name, layer in cache["layers"].items()
-        }
-        lengths = cache["lengths"].at[dst].set(cache["lengths"][src])
-        return DecodeState(
-            cache={**cache, "layers": layers, "lengths": lengths},
-            logits=state.logits.at[dst].set(state.logits[src]),
-            evict_at=state.evict_at.at[dst].set(state.evict_at[src]),
-            int8_at=state.int8_at.at[dst].set(state.int8_at[src]),
-        )
-
     def copy_slots(self, state: DecodeState, src, dst) -> DecodeState:
         """Makes slot ``dst[i]`` a copy of slot ``src[i]`` (no dst may also be a src).
 
@@ -505,10 +396,7 @@ class Sampler:
             raise ValueError(f"src {src.shape} and dst {dst.shape} must be equal non-empty [M]")
         if np.intersect1d(src, dst).size or len(set(dst.tolist())) != len(dst):
             raise ValueError(f"dst {dst.tolist()} must be distinct and disjoint from src")
-        m = 1
-        while m < len(src):
-            m *= 4
-        pad = np.full(m - len(src), src[0], np.int32)
+        pad = np.full(slots.bucket(len(src)) - len(src), src[0], np.int32)
         return self._copy(state, np.concatenate([src, pad]), np.concatenate([dst, pad]))
 
     def prefill_width(self, n_max: int) -> int:

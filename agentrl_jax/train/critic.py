@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from agentrl_jax.model.config import ModelConfig
-from agentrl_jax.rl.advantages import CreditInputs, get_advantage
+from agentrl_jax.rl.advantages import get_advantage
+from agentrl_jax.rl.credit import CreditInputs
 from agentrl_jax.train.reference import teacher_forced
 
 

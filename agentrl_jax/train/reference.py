@@ -9,9 +9,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from agentrl_jax.model.chunked import as_chunk_spec, sequence_logprobs
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer
-from agentrl_jax.rl.logprobs import as_chunk_spec, sequence_logprobs
 
 
 def teacher_forced(model_cfg: ModelConfig, sampling, policy, params, tokens, valid):

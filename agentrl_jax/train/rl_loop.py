@@ -35,8 +35,9 @@ import numpy as np
 from agentrl_jax.metrics import memory_metrics
 from agentrl_jax.model.transformer import Transformer
 from agentrl_jax.precision import get_policy
-from agentrl_jax.rl.advantages import CreditInputs, get_advantage
+from agentrl_jax.rl.advantages import get_advantage
 from agentrl_jax.rl.attention_credit import attention_credit_mass
+from agentrl_jax.rl.credit import CreditInputs
 from agentrl_jax.rl.fallback import FallbackController
 from agentrl_jax.rl.state import init_train_state
 from agentrl_jax.rl.update import make_update_fn

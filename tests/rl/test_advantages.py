@@ -9,6 +9,7 @@ import pytest
 
 from agentrl_jax.rl import advantages as adv
 from agentrl_jax.rl import segments
+from agentrl_jax.rl.credit import CreditInputs
 
 EPS = 1e-6
 
@@ -59,7 +60,7 @@ ATTN[MASK] = 0.0
 ATTN[0, [1, 2, 4]] = [1.0, 1.0, 6.0]
 ATTN[3, [1, 4, 5]] = [3.0, 1.0, -2.0]
 
-INPUTS = adv.CreditInputs(
+INPUTS = CreditInputs(
     jnp.asarray(MASK),
     jnp.asarray(TURNS),
     jnp.asarray(OUTCOME),
@@ -230,6 +231,73 @@ def test_hand_computed(name, hparams, expected):
 
 
 # ---------------------------------------------------------------------------------------------
+# Groups of equal rewards get exactly zero, whatever the value and the group size.
+
+# Every estimator (and its options) that subtracts a group baseline or divides by a group std.
+GROUP_BASELINED = [
+    ("grpo", {}),
+    ("dr_grpo", {}),
+    ("rloo", {}),
+    ("gigpo", {}),
+    ("gigpo", {"step_std": False, "episode_estimator": "dr_grpo"}),
+    ("gigpo", {"episode_estimator": "rloo", "gamma": 0.9}),
+    ("attn_credit", {}),
+    ("attn_credit", {"episode_estimator": "rloo"}),
+    ("episode_process", {}),
+    ("gae", {"whiten": True, "gamma": 1.0, "lam": 1.0}),  # every A_t is the outcome
+]
+
+
+def _equal_groups(n, values):
+    """Groups of ``n`` episodes with the same turns, states and tool outputs; group g's
+    outcome rewards all equal ``values[g]`` (no process rewards, so returns are equal too)."""
+    b, t = n * len(values), 10
+    mask = np.zeros((b, t), bool)
+    mask[:, [1, 2, 5, 8, 9]] = True
+    turns = np.broadcast_to(np.array([0, 0, 0, 1, 1, 1, 2, 2, 2, 2], np.int32), (b, t))
+    outcome = np.repeat(np.asarray(values, np.float32), n)
+    return CreditInputs(
+        jnp.asarray(mask),
+        jnp.asarray(turns),
+        jnp.asarray(outcome),
+        jnp.zeros((b, t), jnp.float32),
+        jnp.asarray(np.repeat(np.arange(len(values), dtype=np.int32) * 7, n)),
+        state_ids=jnp.asarray(turns + 3),
+        values=jnp.zeros((b, t), jnp.float32),
+        attn_credit=jnp.asarray(np.where(mask, 1.0, 0.0).astype(np.float32)),
+    )
+
+
+@pytest.mark.parametrize("n", [3, 5, 16])
+@pytest.mark.parametrize("name,hparams", GROUP_BASELINED, ids=lambda x: str(x))
+def test_equal_rewards_give_exactly_zero(n, name, hparams):
+    values = [0.9, 0.1, 0.7, 1 / 3, 0.3, 2.2, 0.03, 0.47, 0.83]
+    # the case exists: the float32 group mean of equal values is not the value for some of them
+    r = jnp.repeat(jnp.asarray(values, jnp.float32), n)
+    seg = jnp.repeat(jnp.arange(len(values)), n)
+    total, count, _ = segments.segment_stats(r, seg, jnp.ones_like(r, bool))
+    assert np.any(np.asarray(total / count) != np.asarray(r))
+    fn = jax.jit(functools.partial(adv.get_advantage(name), **hparams))
+    # whitening normalises over the whole batch: one group of equal rewards per batch
+    batches = [[v] for v in values] if name == "gae" else [values]
+    for vals in batches:
+        out = np.asarray(fn(_equal_groups(n, vals)))
+        np.testing.assert_array_equal(out, np.zeros_like(out))
+
+
+def test_equal_group_beside_a_varied_one():
+    """An equal group is zero; a varied group keeps its GRPO advantages."""
+    inputs = _equal_groups(3, [0.9, 0.9])._replace(
+        outcome_reward=jnp.asarray([0.9, 0.9, 0.9, 0.2, 0.9, 0.5], jnp.float32)
+    )
+    out = np.asarray(adv.get_advantage("grpo")(inputs))
+    np.testing.assert_array_equal(out[:3], 0.0)
+    r = np.float64([0.2, 0.9, 0.5])
+    want = (r - r.mean()) / (r.std() + EPS)
+    np.testing.assert_allclose(out[3:, 1], want, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
 # Loop references on random inputs.
 
 
@@ -253,7 +321,7 @@ def _random_inputs(seed, b=8, t=12):
             if last is not None and rng.random() < 0.5:
                 process[i, last] = rng.normal()
             k += 1
-    return adv.CreditInputs(
+    return CreditInputs(
         jnp.asarray(mask),
         jnp.asarray(turns),
         jnp.asarray(rng.normal(size=b).astype(np.float32)),

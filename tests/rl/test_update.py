@@ -6,15 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from agentrl_jax.model.chunked import sequence_logprobs
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rl.fallback import FallbackController
-from agentrl_jax.rl.logprobs import sequence_logprobs
 from agentrl_jax.rl.losses import LossConfig, aggregate, policy_loss
 from agentrl_jax.rl.state import RLConfig, init_train_state
 from agentrl_jax.rl.update import _micro_weights, make_grad_fn, make_update_fn, prepare_batch
-from agentrl_jax.rollout.parity import sequence_logprobs as rollout_logprobs
+from agentrl_jax.rollout.parity import rollout_aligned_logprobs
 from agentrl_jax.rollout.sampler import SamplingConfig
 
 B, T = 4, 16
@@ -196,7 +196,7 @@ def test_micro_batch_accumulation_equals_full_batch_gradient(setup):
 
 
 def test_parity_recompute_is_bitwise_the_rollout_recompute(setup):
-    """fp32-parity: sequence_logprobs == the rollout's recompute (rollout.parity), bit for bit,
+    """fp32-parity: sequence_logprobs == rollout.parity.rollout_aligned_logprobs, bit for bit,
     with routing replay and recorded KV evictions (none in row 0)."""
     model, params, batch, logp_fn = setup
     pol = get_policy("fp32-parity")
@@ -219,7 +219,7 @@ def test_parity_recompute_is_bitwise_the_rollout_recompute(setup):
             evict_at=ev,
             with_entropy=False,
         )[0]
-        theirs, _ = rollout_logprobs(
+        theirs, _ = rollout_aligned_logprobs(
             model.clone(policy=pol), p, toks, sc, evict_at=ev, replay_routes=routes
         )
         return mine, theirs[:, 1:]

@@ -74,18 +74,18 @@ class ScriptedEnv:
         return obs, StepResult(done=done, outcome_reward=float(done), process={"x": 0.5}, log=log)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tokenizer():
     return CodeTokenizer()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def fp32_model():
     model = Transformer(CFG, get_policy("fp32-parity"))
     return model, init_params(model, jax.random.key(0))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def bf16_model(fp32_model):
     """bf16-parity model; parameters are stored in fp32 by both policies, so they are shared."""
     return Transformer(CFG, get_policy("bf16-parity")), fp32_model[1]

@@ -9,7 +9,8 @@ from conftest import N_SLOTS, SAMPLING, ScriptedEnv
 
 from agentrl_jax.envs.coderepair import CodeRepairEnv, make_task
 from agentrl_jax.rl.mismatch import mismatch_metrics
-from agentrl_jax.rollout.agent_loop import RolloutStats, run_episodes
+from agentrl_jax.rollout.agent_loop import run_episodes
+from agentrl_jax.rollout.loop_state import RolloutStats
 from agentrl_jax.rollout.parity import trainer_logprobs
 from agentrl_jax.rollout.trajectory import write_jsonl
 

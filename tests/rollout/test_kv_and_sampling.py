@@ -7,13 +7,13 @@ import pytest
 from conftest import CFG, N_SLOTS, SAMPLING
 from test_agent_loop import play
 
+from agentrl_jax.model.chunked import fixed_order_logprobs
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rollout.kv_cache import EvictionConfig, PagePool, dense_kv_bytes, kv_bytes_per_seq
 from agentrl_jax.rollout.parity import trainer_logprobs
 from agentrl_jax.rollout.sampler import (
     SamplingConfig,
     filter_logits,
-    fixed_order_logprobs,
     sample_tokens,
 )
 
@@ -72,16 +72,6 @@ def test_filter_logits_matches_numpy(temperature, top_k, top_p):
         np.testing.assert_array_equal(np.isinf(got[row]), np.isinf(want))
         fin = np.isfinite(want)
         np.testing.assert_allclose(got[row][fin], want[fin], rtol=1e-6)
-
-
-def test_fixed_order_logprobs_matches_reference():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(2, 5, 37)).astype(np.float32) * 3
-    t = rng.integers(0, 37, size=(2, 5))
-    ref = x - np.log(np.exp(x.astype(np.float64)).sum(-1, keepdims=True))
-    want = np.take_along_axis(ref, t[..., None], -1)[..., 0]
-    got = np.asarray(fixed_order_logprobs(jnp.asarray(x), jnp.asarray(t)))
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_sample_tokens_greedy_rows():

@@ -6,7 +6,7 @@ import pytest
 from conftest import CFG, N_SLOTS, SAMPLING
 from test_agent_loop import N_PAGES, play
 
-from agentrl_jax.rl.logprobs import ChunkSpec, sequence_logprobs
+from agentrl_jax.model.chunked import ChunkSpec, sequence_logprobs
 from agentrl_jax.rl.state import RLConfig
 from agentrl_jax.rl.update import prepare_batch
 from agentrl_jax.rollout.kv_cache import EvictionConfig, kv_bytes_per_seq

@@ -17,7 +17,8 @@ from agentrl_jax.envs.coderepair import CodeTokenizer
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
-from agentrl_jax.rl.advantages import CreditInputs, get_advantage
+from agentrl_jax.rl.advantages import get_advantage
+from agentrl_jax.rl.credit import CreditInputs
 from agentrl_jax.rl.state import RLConfig, init_train_state
 from agentrl_jax.rl.update import make_update_fn
 from agentrl_jax.rollout.agent_loop import run_episodes

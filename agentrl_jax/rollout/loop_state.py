@@ -1,0 +1,257 @@
+"""The agent loop's options, counters and state: what ``AgentLoop``'s phases read and change.
+
+:class:`LoopOptions` is the frozen description of a rollout (slots, turn and token limits,
+batching mode, page pool, eviction, disaggregation, logging). :class:`LoopState` holds what
+changes while it runs: the episodes in their slots, the queue of tasks and preempted episodes,
+the finished records and per-turn logs, the page pool, the sampler's device state, the host
+mirrors of the recorded KV eviction / int8 positions, and the :class:`RolloutStats` counters.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+
+from agentrl_jax.envs.base import Env
+from agentrl_jax.rollout.disaggregation import Disaggregation
+from agentrl_jax.rollout.kv_cache import EvictionConfig, PagePool
+from agentrl_jax.rollout.sampler import NEVER, DecodeState
+from agentrl_jax.rollout.trajectory import EpisodeRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopOptions:
+    """How a rollout plays its tasks (hashable; everything but tasks, policy and rng).
+
+    Attributes:
+      n_slots: sequences decoded together (None: one per task); the trainer's parity
+        recompute uses the same batch size.
+      max_turns: model turns per episode (>= 1).
+      max_tokens: tokens per episode (None: the sampler's ``max_len``, also the cap).
+      continuous: refill/step slots individually (True) or in lockstep waves (False).
+      n_pages: shared KV page pool size (None: every slot owns ``max_len`` worth of pages).
+      page_budget: pages the allocator may use out of ``n_pages`` (None: all).
+      goal_every: if > 0, after every ``goal_every``-th turn the prompt (without ``<bos>``) is
+        appended again as environment tokens.
+      process_weights: (key, weight) pairs per process-signal key (a missing key weighs 1.0);
+        a mapping is accepted and stored as sorted pairs.
+      eviction: KV eviction / int8 policy for finished tool outputs (``kv_cache.py``); None:
+        from the sampling config's ``eviction_threshold`` / ``eviction_int8``.
+      disaggregate: prefill and decode on separate device sub-meshes
+        (``rollout/disaggregation.py``).
+      log_path: if given, the per-turn records are appended there as JSONL.
+
+    Raises:
+      ValueError: ``n_slots`` < 1, ``max_turns`` < 1 or ``goal_every`` < 0.
+    """
+
+    n_slots: int | None = None
+    max_turns: int = 16
+    max_tokens: int | None = None
+    continuous: bool = True
+    n_pages: int | None = None
+    page_budget: int | None = None
+    goal_every: int = 0
+    process_weights: tuple[tuple[str, float], ...] = ()
+    eviction: EvictionConfig | None = None
+    disaggregate: Disaggregation | None = None
+    log_path: str | None = None
+
+    def __post_init__(self):
+        if self.n_slots is not None and self.n_slots < 1:
+            raise ValueError(f"n_slots={self.n_slots} must be >= 1")
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns={self.max_turns} must be >= 1")
+        if self.goal_every < 0:
+            raise ValueError(f"LoopOptions.goal_every={self.goal_every} must be >= 0")
+        weights = self.process_weights
+        if isinstance(weights, Mapping) or weights is None:
+            weights = (weights or {}).items()
+        object.__setattr__(self, "process_weights", tuple(sorted(tuple(kv) for kv in weights)))
+
+
+@dataclasses.dataclass
+class RolloutStats:
+    """Counters of one rollout (also attached to the trajectory's logs)."""
+
+    prefill_calls: int = 0
+    prefill_tokens: int = 0  # computed; plus shared_prefill_tokens copied from a twin slot
+    shared_prefill_tokens: int = 0
+    decode_calls: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    admission_waits: int = 0
+    max_pages_in_use: int = 0
+    evicted_tokens: int = 0
+    int8_tokens: int = 0
+    kv_moved_bytes: int = 0
+    prefill_devices: set = dataclasses.field(default_factory=set)  # ids holding prefill outputs
+    decode_devices: set = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class EpisodeSlot:
+    """One episode in play: its record, environment and the host view of its cache."""
+
+    rec: EpisodeRecord
+    env: Env
+    goal: list[int]
+    admitted: int
+    turn: int = 0
+    cached: int = 0  # tokens of rec (+ turn) in the device cache
+    turn_toks: list[int] = dataclasses.field(default_factory=list)
+    turn_lp: list[float] = dataclasses.field(default_factory=list)
+    moved: int = 0  # KV bytes moved between prefill and decode sub-meshes since the last log
+    generating: bool = False
+    blocks: list = dataclasses.field(default_factory=list)  # [lo, hi, evicted_at or False]
+
+    @property
+    def stream_len(self) -> int:
+        return len(self.rec.tokens) + len(self.turn_toks)
+
+    @property
+    def pending(self) -> int:
+        """Tokens of the stream not yet in the device cache."""
+        return self.stream_len - self.cached
+
+
+@dataclasses.dataclass
+class LoopState:
+    """What a rollout changes while it runs.
+
+    Attributes:
+      slots: the episode in each slot, or None (free).
+      queue: task indices not started yet, or preempted :class:`EpisodeSlot` s to resume.
+      records: finished episodes by task index (None while unfinished).
+      logs: one dict per model turn, in the order turns ended.
+      pool: the shared page pool, or None (every slot owns its pages).
+      decode: the sampler's ``DecodeState`` (on the decode sub-mesh when disaggregated).
+      evict_at: int32 [slots, max_len] host mirror of ``decode.evict_at``.
+      int8_at: int32 [slots, max_len] host mirror of ``decode.int8_at``.
+      marks_dirty: the mirrors changed since they were last uploaded.
+      mass: float32 [slots, max_len] attention mass read after the last decode, or None.
+      admitted: episodes admitted so far (orders preemption: the youngest goes first).
+      stats: the counters.
+    """
+
+    slots: list[EpisodeSlot | None]
+    queue: collections.deque
+    records: list[EpisodeRecord | None]
+    logs: list[dict]
+    pool: PagePool | None
+    decode: DecodeState
+    evict_at: np.ndarray
+    int8_at: np.ndarray
+    stats: RolloutStats
+    marks_dirty: bool = False
+    mass: np.ndarray | None = None
+    admitted: int = 0
+
+    @property
+    def busy(self) -> bool:
+        """Whether episodes remain queued or in play."""
+        return bool(self.queue) or any(sl is not None for sl in self.slots)
+
+    def youngest(self, exclude: int | None = None) -> int | None:
+        """The most recently admitted occupied slot other than ``exclude`` (None if none)."""
+        cands = [i for i, sl in enumerate(self.slots) if sl is not None and i != exclude]
+        return max(cands, key=lambda i: self.slots[i].admitted) if cands else None
+
+    def place(self, s: int, slot: EpisodeSlot) -> None:
+        """Puts ``slot`` in slot ``s`` with nothing cached, restoring its recorded KV marks."""
+        slot.admitted = self.admitted
+        slot.cached = 0
+        self.evict_at[s] = NEVER
+        self.int8_at[s] = NEVER
+        for pos, at in slot.rec.evict_at.items():
+            self.evict_at[s, pos] = at
+        for pos, at in slot.rec.int8_at.items():
+            self.int8_at[s, pos] = at
+        self.marks_dirty = self.marks_dirty or bool(slot.rec.evict_at or slot.rec.int8_at)
+        self.admitted += 1
+        self.slots[s] = slot
+
+    def finish(self, s: int, *, truncated: bool) -> None:
+        """Ends the episode of slot ``s`` (its record is final) and frees the slot."""
+        slot = self.slots[s]
+        slot.rec.truncated = truncated and not slot.rec.done
+        self.records[slot.rec.task_index] = slot.rec
+        self.slots[s] = None
+        if self.pool is not None:
+            self.pool.release(s)
+
+    def preempt(self, s: int) -> None:
+        """Sends the episode of slot ``s`` back to the front of the queue (to be re-prefilled)."""
+        slot = self.slots[s]
+        slot.cached = 0
+        self.queue.appendleft(slot)
+        self.slots[s] = None
+        if self.pool is not None:
+            self.pool.release(s)
+        self.stats.preemptions += 1
+
+    def pending_tokens(self) -> np.ndarray:
+        """int32 [slots] stream tokens each slot has not cached yet, with the pages to cache
+        them taken: a slot that cannot grow preempts the youngest other slots (or itself when
+        it is alone); preempted slots count 0."""
+        n_new = np.asarray([0 if sl is None else sl.pending for sl in self.slots], np.int32)
+        if not n_new.any():
+            return n_new
+        for s in np.nonzero(n_new)[0]:
+            while self.pool is not None and self.slots[s] is not None:
+                if self.pool.ensure(s, int(self.slots[s].cached + n_new[s])):
+                    break
+                victim = self.youngest(exclude=s)
+                self.preempt(victim if victim is not None else s)
+        return np.asarray([0 if sl is None else n for sl, n in zip(self.slots, n_new)], np.int32)
+
+    def budgets(self, max_new_tokens: int, cap: int) -> np.ndarray:
+        """int32 [slots] tokens each generating slot may emit in the next decode call (at most
+        ``max_new_tokens`` per turn, ``cap`` per episode), with their pages taken: a slot short
+        of pages gets what the pool has left, else preempts the youngest other slots."""
+        budget = np.zeros(len(self.slots), np.int32)
+        for s in range(len(self.slots)):
+            sl = self.slots[s]
+            if sl is None or not sl.generating:  # free, or preempted earlier in this loop
+                continue
+            budget[s] = max(0, min(max_new_tokens - len(sl.turn_toks), cap - sl.stream_len))
+            while self.pool is not None and budget[s] > 0:
+                if self.pool.ensure(s, sl.stream_len + budget[s]):
+                    break
+                room = self.pool.room(s, sl.stream_len)
+                if room > 0:
+                    self.pool.ensure(s, sl.stream_len + room)
+                    budget[s] = room
+                    break
+                victim = self.youngest(exclude=s)
+                self.preempt(victim if victim is not None else s)
+                if victim is None:
+                    break
+        return budget
+
+    def trim(self) -> None:
+        """Returns the pages beyond each slot's cached tokens to the pool."""
+        if self.pool is not None:
+            for s, sl in enumerate(self.slots):
+                if sl is not None:
+                    self.pool.trim(s, sl.cached)
+
+
+def twin_slots(slots: list, n_new: np.ndarray) -> dict[int, int]:
+    """``{slot: earlier slot}`` for slots with new tokens whose whole token stream and cached
+    length equal an earlier such slot's: their caches would be computed from the same tokens
+    (the episodes of a group start from one prompt, and often read the same first tool
+    output)."""
+    first: dict[tuple, int] = {}
+    twins = {}
+    for s in np.flatnonzero(n_new):
+        sl = slots[s]
+        key = (sl.cached, *sl.rec.tokens, -1, *sl.turn_toks)
+        if key in first:
+            twins[int(s)] = first[key]
+        else:
+            first[key] = int(s)
+    return twins
