@@ -333,7 +333,8 @@ def run_sft(
       env: the environment's registry name (its expert makes the demonstrations).
       data: the run's task settings (``DemoStream``); default ``DataConfig()``.
       params: initial parameters (default: ``init_params`` with ``cfg.seed``).
-      resume: continue from the latest checkpoint in ``run_dir`` (else an existing one is an
+      resume: continue from the newest intact checkpoint in ``run_dir`` (newer unusable ones
+        are set aside, ``Checkpointer.restore``; without ``resume`` an existing one is an
         error: a checkpoint is never overwritten silently).
       writer: metrics writer to share with the caller (default: a new one on ``run_dir``).
       progress: force the progress bar on/off (default: on for a TTY).
@@ -343,8 +344,8 @@ def run_sft(
       ``sft/steps_per_s``, ``sft/tokens_per_s`` (padded tokens) and ``sft/dropped_demos``.
 
     Raises:
-      ValueError: the vocabulary is too small, or ``run_dir`` already holds SFT checkpoints and
-        ``resume`` is False.
+      ValueError: the vocabulary is too small, ``run_dir`` already holds SFT checkpoints and
+        ``resume`` is False, or none of them is intact.
     """
     vocab = get_env(env).tokenizer().vocab_size
     if model_cfg.vocab_size < vocab:
@@ -359,7 +360,7 @@ def run_sft(
     streams = _streams(cfg, env, data)
     start = 0
     if resume and ckpt.latest_step() is not None:
-        out = ckpt.restore(params=params, opt_state=state.opt_state)
+        out = ckpt.restore(params=params, opt_state=state.opt_state, set_aside=True)
         start = out["step"]
         state = state._replace(
             params=out["params"],

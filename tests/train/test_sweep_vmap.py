@@ -27,11 +27,11 @@ import numpy as np
 import pytest
 
 from agentrl_jax.config import apply_overrides, load_config, to_dataclass
+from agentrl_jax.experiment import rl_config
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.report import load_series
-from agentrl_jax.experiment import rl_config
 from agentrl_jax.rl.state import rl_optimizer
 from agentrl_jax.train import main, rl_loop, sweep
 from agentrl_jax.train.checkpoint import Checkpointer, stage_dir
