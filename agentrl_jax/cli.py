@@ -14,8 +14,10 @@ parsed ``argparse.Namespace``, so a missing piece only disables its own subcomma
     agentrl export runs/qwen3 path/to/exported         (a checkpoint -> an HF directory)
 
 Exit codes: what ``run_from_cli`` returns (``None`` -> 0); 2 for usage errors, a subcommand that
-is not available yet, and ``ValueError`` (bad config / input: one line on stderr, no traceback;
-set ``AGENTRL_DEBUG=1`` to get the traceback).
+is not available yet, and every error the input causes: ``ValueError`` (bad config, a run that
+cannot be resumed, a checkpoint that does not fit the config, an error in an experiment file)
+and ``OSError`` (a path that cannot be read or written, e.g. permission denied): one line on
+stderr, no traceback (``--debug`` or ``AGENTRL_DEBUG=1`` keeps the traceback).
 """
 
 from __future__ import annotations
@@ -85,11 +87,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
+    parser.add_argument(
+        "--debug", action="store_true", help=f"keep tracebacks of errors (as {DEBUG_ENV}=1)"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="run the RL loop of an experiment")
-    _add_spec(p)
-    p.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue this run directory")
+    p.add_argument(
+        "spec",
+        nargs="?",
+        default=None,
+        help="experiment module and variant, e.g. experiments/x.py:smoke=True (optional with "
+        "--resume: the run's own config)",
+    )
+    _add_set(p)
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        default=None,
+        help="continue this run (its own config; see docs/runs.md for what --set may change)",
+    )
 
     p = sub.add_parser("eval", help="evaluate a run directory or checkpoint")
     p.add_argument("run_dir_or_checkpoint")
@@ -212,6 +229,16 @@ def _run_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, path, *rest])
 
 
+def error_line(e: BaseException) -> str:
+    """The one line a user-caused error prints (an OSError names its path)."""
+    if isinstance(e, OSError) and e.strerror:
+        paths = " -> ".join(repr(p) for p in (e.filename, e.filename2) if p is not None)
+        text = f"{e.strerror}: {paths}" if paths else e.strerror
+    else:
+        text = str(e) or type(e).__name__
+    return " ".join(text.split())  # one line, whatever the exception text holds
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses ``argv`` (default ``sys.argv[1:]``), runs the subcommand, returns the exit code.
 
@@ -228,17 +255,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     logging.getLogger("agentrl_jax").setLevel(level)
-    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         if args.command == "bench":
             return _run_bench(args)
         rc = _load_impl(args.command)(args)
-    except (CommandError, ValueError) as e:
+    except (CommandError, ValueError, OSError) as e:
         if debug and not isinstance(e, CommandError):
             raise
-        message = " ".join(str(e).split())  # one line, whatever the exception text holds
         where = PROG if isinstance(e, CommandError) else f"{PROG} {args.command}"
-        print(f"{where}: error: {message}", file=sys.stderr)
+        print(f"{where}: error: {error_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)

@@ -16,10 +16,12 @@ error instead of a silent new key.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import importlib.util
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,15 +68,43 @@ def split_spec(spec: str) -> tuple[str, str | None]:
     return path, (arg or None)
 
 
+class ExperimentError(ValueError):
+    """An experiment file that does not import, or whose ``get_config`` / ``sweep`` fails."""
+
+
+@contextlib.contextmanager
+def _in_experiment(path: str, what: str):
+    """Turns an exception raised by experiment code into an ``ExperimentError`` naming the file,
+    the line in it and the original error (``raise ... from`` keeps the traceback for --debug).
+    A ``ValueError`` passes unchanged: the code above reports it as bad input already."""
+    try:
+        yield
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - anything the user's module raises is its error
+        line = getattr(e, "lineno", None) if isinstance(e, SyntaxError) else None
+        for frame in traceback.extract_tb(e.__traceback__):
+            if os.path.abspath(frame.filename) == os.path.abspath(path):
+                line = frame.lineno
+        where = f"{path}:{line}" if line else path
+        raise ExperimentError(f"{where}: {what} failed: {type(e).__name__}: {e}") from e
+
+
 def load_module(path: str):
-    """Imports an experiment module from a file path. Raises ``ValueError`` if missing."""
+    """Imports an experiment module from a file path.
+
+    Raises:
+      ValueError: the file is missing or has no ``get_config``; ``ExperimentError`` (a
+        ValueError) when importing it raises (a syntax error, a missing import, ...).
+    """
     if not os.path.isfile(path):
         raise ValueError(f"experiment file {path!r} does not exist")
     name = "agentrl_experiment_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    with _in_experiment(path, "importing the experiment"):
+        spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise ValueError(f"experiment {path!r} has no get_config(arg=None)")
     return module
@@ -147,7 +177,8 @@ def load_config(spec: str, overrides: Sequence[str] = ()) -> ConfigDict:
     """Loads ``path.py[:arg]``, applies overrides, and returns a locked ConfigDict."""
     path, arg = split_spec(spec)
     module = load_module(path)
-    cfg = module.get_config(arg)
+    with _in_experiment(path, "get_config"):
+        cfg = module.get_config(arg)
     if not isinstance(cfg, ConfigDict):
         raise ValueError(f"{path}: get_config must return an ml_collections.ConfigDict")
     cfg = apply_overrides(cfg, list(overrides))
@@ -160,7 +191,8 @@ def sweep_points(spec: str) -> list[dict[str, Any]]:
     module = load_module(path)
     points: list[dict[str, Any]] = []
     if hasattr(module, "sweep"):
-        module.sweep(lambda **kw: points.append(kw))
+        with _in_experiment(path, "sweep"):
+            module.sweep(lambda **kw: points.append(kw))
     return points
 
 

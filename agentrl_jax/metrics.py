@@ -6,10 +6,15 @@ A run directory holds everything one run writes::
       config.json        the resolved config (:func:`save_config`)
       metrics.jsonl      one JSON object per :meth:`MetricsWriter.write` call
       tb/                TensorBoard event files (scalars only)
-      tool_log.jsonl     per-turn tool logs (:class:`JsonlWriter`), if the loop writes them
+      tool_calls.jsonl   every tool call of the RL rollouts, with its step and attempt
       plots/             written by ``agentrl report`` (:mod:`agentrl_jax.report`)
+      run.lock, attempts.jsonl, config_history.jsonl, summary.json, checkpoints/
+                         the training job's (``train/runs.py``, ``train/checkpoint.py``)
 
-JSONL format: each line is ``{"step": int, "time": unix_seconds, "<prefix>/<key>": value, ...}``.
+JSONL format: each line is ``{"step": int, "time": unix_seconds, "<prefix>/<key>": value, ...}``,
+plus ``"attempt": int`` when the writer is given one (the process's attempt at the run: a
+resumed run replays the steps after its checkpoint, and :func:`latest_attempts` keeps the
+replay's rows).
 Values are JSON numbers, bools, strings or ``null``. JAX/NumPy scalars (and size-1 arrays) are
 converted to Python numbers. Non-finite floats are written as the *strings* ``"nan"``, ``"inf"``
 and ``"-inf"`` (strict JSON has no NaN), so a divergence stays visible in the log;
@@ -17,7 +22,7 @@ and ``"-inf"`` (strict JSON has no NaN), so a divergence stays visible in the lo
 ``None`` is written as ``null`` and skipped in TensorBoard.
 
 Files are opened in append mode: resuming a run into the same directory continues its logs and
-never truncates them.
+never truncates them; readers drop the superseded rows (:func:`latest_attempts`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,7 +48,7 @@ CONFIG_FILE = "config.json"
 TB_DIR = "tb"
 TOOL_LOG_FILE = "tool_log.jsonl"
 NO_PROGRESS_ENV = "AGENTRL_NO_PROGRESS"
-_RESERVED_KEYS = ("step", "time")
+RESERVED_KEYS = ("step", "time", "attempt")
 _MAX_SUFFIX = 1000
 
 
@@ -201,6 +206,40 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
+def _metric_stage(record: Mapping[str, Any]) -> str:
+    """The prefix of a metrics row's keys (``rl``, ``eval``, ``sft``; ``""`` without one)."""
+    for key in record:
+        if key not in RESERVED_KEYS:
+            return key.split("/", 1)[0] if "/" in key else ""
+    return ""
+
+
+def latest_attempts(
+    records: Sequence[Mapping[str, Any]], stage: Callable[[Mapping[str, Any]], Any] = _metric_stage
+) -> list[Mapping[str, Any]]:
+    """The rows of a run's JSONL log that its last attempts stand by, in file order.
+
+    A resumed run (a later ``attempt``) replays a stage from its checkpoint, say from step
+    ``m``: rows an earlier attempt wrote for that stage at step ``m`` or later belong to a
+    discarded history and are dropped; everything else is kept. Rows without ``attempt``
+    count as attempt 0.
+
+    Args:
+      records: rows with ``step`` (and ``attempt``), as :func:`read_jsonl` returns them.
+      stage: a row's stage (default: its metric prefix, so SFT, RL and evaluation rows of one
+        step are told apart); ``lambda r: None`` for a log of one stage (``tool_calls.jsonl``).
+    """
+    first: dict[tuple[Any, int], int] = {}  # (stage, attempt) -> first step it wrote
+    for r in records:
+        key = (stage(r), int(r.get("attempt", 0)))
+        first[key] = min(first.get(key, r["step"]), r["step"])
+    cut: dict[tuple[Any, int], float] = {}  # rows at or after this step are superseded
+    for g, a in first:
+        later = [s for (h, b), s in first.items() if h == g and b > a]
+        cut[(g, a)] = min(later, default=math.inf)
+    return [r for r in records if r["step"] < cut[(stage(r), int(r.get("attempt", 0)))]]
+
+
 class MetricsWriter:
     """Writes scalar metrics to ``<run_dir>/metrics.jsonl`` and TensorBoard (``<run_dir>/tb``).
 
@@ -213,14 +252,26 @@ class MetricsWriter:
       run_dir: an existing run directory.
       tensorboard: also write TensorBoard event files (needs ``tensorboardX``).
       enabled: if False every method is a no-op.
+      attempt: written into every JSONL row as ``"attempt"`` (the process's attempt at the
+        run, 1 for the first); None writes no attempt.
 
     Raises:
-      ValueError: ``run_dir`` is not a directory.
+      ValueError: ``run_dir`` is not a directory, or ``attempt`` < 1.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, enabled=True):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        tensorboard: bool = True,
+        enabled=True,
+        attempt: int | None = None,
+    ):
         self.run_dir = os.fspath(run_dir)
         self.enabled = enabled
+        if attempt is not None and attempt < 1:
+            raise ValueError(f"attempt={attempt} must be >= 1 (or None)")
+        self.attempt = attempt
         self._jsonl: JsonlWriter | None = None
         self._tb = None
         if not enabled:
@@ -250,16 +301,20 @@ class MetricsWriter:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         record: dict[str, Any] = {"step": step, "time": time.time()}
+        if self.attempt is not None:
+            record["attempt"] = self.attempt
         for key, value in metrics.items():
             name = f"{prefix.rstrip('/')}/{key}" if prefix else str(key)
-            if name in _RESERVED_KEYS:
-                raise ValueError(f"metric name {name!r} is reserved; allowed: any but step/time")
+            if name in RESERVED_KEYS:
+                raise ValueError(
+                    f"metric name {name!r} is reserved; allowed: any but {'/'.join(RESERVED_KEYS)}"
+                )
             record[name] = to_jsonable(value, key=name)
         self._jsonl.write(record)
         self._jsonl.flush()  # a running job's curves are readable (tail -f, `agentrl report`)
         if self._tb is not None:
             for name, value in record.items():
-                if name in _RESERVED_KEYS:
+                if name in RESERVED_KEYS:
                     continue
                 x = to_float(value)
                 if x is not None:

@@ -36,7 +36,7 @@ from agentrl_jax.dashboard import (
     plain_axes,
     write_dashboard,
 )
-from agentrl_jax.metrics import METRICS_FILE, read_jsonl, to_float
+from agentrl_jax.metrics import METRICS_FILE, RESERVED_KEYS, latest_attempts, read_jsonl, to_float
 
 logger = logging.getLogger(__name__)
 
@@ -86,13 +86,14 @@ def load_series(run_dir: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.nd
     Returns:
       ``{metric: (steps int64[n], values float64[n])}`` in file order; non-finite values logged
       as ``"nan"``/``"inf"`` come back as floats. Non-numeric values are left out. Steps are
-      increasing: when a step is logged again (a run resumed from an earlier checkpoint
-      appends to the same file), the later entries replace the earlier ones from that step on.
+      increasing: rows a resumed run superseded are dropped (``metrics.latest_attempts``),
+      and when a step is logged again without attempts (files written before rows carried
+      them), the later entries replace the earlier ones from that step on.
 
     Raises:
       ValueError: ``run_dir`` does not exist or holds no ``metrics.jsonl``, or a malformed line.
     """
-    records = read_jsonl(_resolve_metrics_path(run_dir))
+    records = latest_attempts(read_jsonl(_resolve_metrics_path(run_dir)))
     steps: dict[str, list[int]] = {}
     values: dict[str, list[float]] = {}
     for rec in records:
@@ -100,7 +101,7 @@ def load_series(run_dir: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.nd
         if not isinstance(step, int):
             continue
         for key, value in rec.items():
-            if key in ("step", "time"):
+            if key in RESERVED_KEYS:
                 continue
             x = to_float(value)
             if x is None:

@@ -19,6 +19,14 @@ def test_parses_every_subcommand():
         ["a.b=1", "c=x"],
         None,
     )
+    a = p.parse_args(["train", "--resume", "runs/r", "--set", "train.rl_steps=80"])
+    assert (a.spec, a.resume, a.overrides, a.debug) == (
+        None,
+        "runs/r",
+        ["train.rl_steps=80"],
+        False,
+    )
+    assert p.parse_args(["--debug", "train", "x.py"]).debug
     a = p.parse_args(
         ["eval", "runs/r", "--split", "heldout", "--difficulty", "3", "--episodes", "8"]
     )

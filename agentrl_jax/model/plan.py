@@ -89,13 +89,21 @@ def kv_bytes(cfg: ModelConfig, dtype_bytes: int, seq_len: int) -> dict[str, floa
 
 
 def plan_mesh(cfg: ModelConfig, n_devices: int, mesh_cfg: MeshConfig | None = None) -> dict:
-    """Mesh sizes for ``n_devices``: experts over ``expert`` (largest power-of-two divisor of
-    both), the rest over ``fsdp``; a valid explicit ``mesh_cfg`` is used as given."""
+    """Mesh sizes for ``n_devices``: the configured ``mesh_cfg`` as given, or without one,
+    experts over ``expert`` (largest power-of-two divisor of both) and the rest over ``fsdp``.
+
+    Raises:
+      ValueError: ``mesh_cfg`` cannot use exactly ``n_devices`` devices (both named).
+    """
     if mesh_cfg is not None:
         try:
             return mesh_cfg.shape(n_devices)
-        except ValueError:
-            pass
+        except ValueError as e:
+            sizes = {a: getattr(mesh_cfg, a) for a in MESH_AXES}
+            raise ValueError(
+                f"the configured mesh {sizes} cannot use {n_devices} devices ({e}); "
+                "pick a device count it divides or set mesh.* (-1: all remaining devices)"
+            ) from None
     expert = 1
     if cfg.is_moe:
         while (
@@ -126,12 +134,16 @@ def per_device_param_bytes(cfg: ModelConfig, policy, mesh: dict, rules) -> int:
 
 
 def make_plan(cfg: ModelConfig, policy, n_devices: int, mesh_cfg: MeshConfig, context: int) -> dict:
-    """The plan as a JSON-ready dict (see module docstring)."""
+    """The plan as a JSON-ready dict (see module docstring).
+
+    Raises:
+      ValueError: ``mesh_cfg`` cannot use ``n_devices`` (checked before any tracing).
+    """
+    mesh = plan_mesh(cfg, n_devices, mesh_cfg)
     counts = count_params(cfg, policy)
     matmul = 2 * (counts["active"] - counts["embedding"]) + 2 * cfg.d_model * cfg.vocab_size
     kv_dtype_bytes = 1 if policy.kv_cache_dtype == "int8" else jnp.dtype(policy.kv_cache).itemsize
     kv = kv_bytes(cfg, kv_dtype_bytes, 1 << 20)
-    mesh = plan_mesh(cfg, n_devices, mesh_cfg)
     param_dev = per_device_param_bytes(cfg, policy, mesh, mesh_cfg.logical_rules())
     return {
         "n_layers": cfg.n_layers,
@@ -159,7 +171,12 @@ def make_plan(cfg: ModelConfig, policy, n_devices: int, mesh_cfg: MeshConfig, co
 
 
 def run_from_cli(args) -> int:
-    """``agentrl plan SPEC [--devices N] [--set k=v] [--context T]``: prints one JSON line."""
+    """``agentrl plan SPEC [--devices N] [--set k=v] [--context T]``: prints one JSON line.
+
+    Raises:
+      ValueError: a bad config, ``--devices`` < 1, or a configured mesh that cannot use the
+        devices.
+    """
     cfg = load_config(args.spec, getattr(args, "set", None) or [])
     model_cfg = to_dataclass(cfg.model, ModelConfig)
     mesh_cfg = to_dataclass(cfg.mesh, MeshConfig)

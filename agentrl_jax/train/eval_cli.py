@@ -3,12 +3,15 @@
     agentrl eval runs/default-20260101-120000 [--split heldout] [--difficulty 1] [--episodes N]
         [--seed S] [--pass-k K] [--transcripts PATH] [--set eval.modes='("greedy",)']
 
-The run's own config (its ``config.json``; ``--set`` overrides it, ``--config SPEC`` replaces
-it) decides the model, the dtype policy, the environment and the evaluation; the checkpoint is
-the given one, else the run's latest RL, else SFT checkpoint. The printed object holds a
-``greedy`` and a ``sampled`` section (and ``pass_at_k`` with ``--pass-k``); ``--transcripts``
-writes every episode's bugs, outcome and tool calls to a new JSONL file, one line per episode
-and mode (an existing file is an error, never overwritten).
+The run's own config (its ``config.json`` with the changes its resumes recorded, ``--set``
+overrides it, ``--config SPEC`` replaces it) decides the model, the dtype policy, the
+environment and the evaluation; the checkpoint is the given step, else the newest intact step
+of the run's RL, else SFT stage (a newer step that does not load or fails its checksums is
+reported in one line and skipped). Nothing in the run is written: a run may be training.
+The printed object holds a ``greedy`` and a ``sampled`` section (and ``pass_at_k`` with
+``--pass-k``); ``--transcripts`` writes every episode's bugs, outcome and tool calls to a
+new JSONL file, one line per episode and mode (an existing file is an error, never
+overwritten).
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ from typing import Any
 
 import jax
 
-from agentrl_jax.config import load_config
-from agentrl_jax.experiment import build, from_saved
-from agentrl_jax.metrics import load_config_json
+from agentrl_jax.config import apply_overrides, load_config
+from agentrl_jax.experiment import build
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.train.checkpoint import existing_steps, restore_params, stage_dir
 from agentrl_jax.train.evaluate import EvalConfig, eval_tasks, evaluate_split, pass_at_k
+from agentrl_jax.train.runs import load_run_config
 
 
 def find_run_dir(path: str) -> str:
@@ -90,8 +93,9 @@ def run_from_cli(args: argparse.Namespace) -> int:
     """``agentrl eval``: loads the checkpoint and config, evaluates, prints one JSON line.
 
     Raises:
-      ValueError: no run directory / checkpoint, a bad split, difficulty or override, an
-        existing ``--transcripts`` file.
+      ValueError: no run directory / checkpoint, no intact checkpoint, one that does not fit
+        the config (another model), a bad split, difficulty or override, an existing
+        ``--transcripts`` file.
     """
     path = args.run_dir_or_checkpoint
     run_dir = find_run_dir(path)
@@ -101,7 +105,7 @@ def run_from_cli(args: argparse.Namespace) -> int:
     if getattr(args, "spec", None):
         cfg = load_config(args.spec, overrides)
     else:  # the run's own config, with --set applied to it
-        cfg = from_saved(load_config_json(run_dir), overrides)
+        cfg = apply_overrides(load_run_config(run_dir), overrides)
     sections = build(cfg)
     model = Transformer(sections.model, sections.policy)
     template = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))

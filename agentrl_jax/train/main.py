@@ -6,10 +6,14 @@ summary line (``heldout_success_before_rl``, ``heldout_success_after_rl`` (greed
 ``goal_adherence_after_rl``, ``heldout_gain`` (per mode: the paired difference after - before on
 the same held-out tasks with its standard error and the tasks RL fixed / broke, see
 ``eval_stats.paired_gain``), ``eval_split``, ``entropy_start``, ``entropy_end``,
-``nonfinite_steps``, ``wall_s``, ``run_dir``). ``agentrl train SPEC --resume RUN_DIR``
-continues a run from its latest checkpoint: params, optimiser state, PRNG key, step, the task
-pipeline's iterator and difficulty estimates, and the precision-fallback state are all restored,
-so the resumed run computes the same parameters as an uninterrupted one.
+``nonfinite_steps``, ``wall_s``, ``run_dir``).
+
+``agentrl train [SPEC] --resume RUN_DIR`` continues a run from its newest intact checkpoint:
+params, optimiser state, PRNG key, step, the task pipeline's iterator and difficulty estimates,
+and the precision-fallback state are all restored, so the resumed run computes the same
+parameters as an uninterrupted one. The run keeps its own config (``train/runs.py`` says which
+keys a resume may change and where the changes are recorded); a finished run is left as it is.
+``docs/runs.md`` has the whole contract.
 
 The stages are ``train/stages.py`` (shared with sweeps); one RL iteration is
 ``train/rl_loop.py``.
@@ -17,60 +21,101 @@ The stages are ``train/stages.py`` (shared with sweeps); one RL iteration is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
 
-from agentrl_jax.config import ConfigDict, load_config
-from agentrl_jax.experiment import build, from_saved
-from agentrl_jax.metrics import (
-    MetricsWriter,
-    ProgressBar,
-    load_config_json,
-    make_run_dir,
-    save_config,
-)
+import jax
+
+from agentrl_jax.config import ConfigDict, apply_overrides, load_config
+from agentrl_jax.experiment import Sections, build
+from agentrl_jax.metrics import MetricsWriter, ProgressBar, make_run_dir, save_config
 from agentrl_jax.sharding import maybe_initialize_distributed
-from agentrl_jax.train import stages
+from agentrl_jax.train import runs, stages
 from agentrl_jax.train.rl_loop import RLRun
 
 log = logging.getLogger(__name__)
 
 
 def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None = None) -> dict:
-    """Runs the main job; returns the JSON summary (also in ``summary.json``).
+    """Runs the main job, or resumes the run in ``resume_dir``; returns the JSON summary (also
+    in ``summary.json``). A resumed run that already finished is left untouched and its stored
+    summary returned.
+
+    Args:
+      cfg: the experiment's config; on resume the config asked for, checked against the run's
+        own (``runs.resume_config``).
+      resume_dir: a run directory to continue (None: a new run under ``cfg.workdir``).
+      progress: force progress bars on/off (default: on for a TTY).
 
     Raises:
-      ValueError: a bad config (before anything is written), or ``resume_dir`` that is not a
-        directory.
+      ValueError: a bad config (before anything is written); on resume: ``resume_dir`` is not a
+        run, a config change a resume may not make, no intact checkpoint of a stage, or another
+        process training in the run (``runs.RunBusy``).
     """
-    sections = build(cfg)
     t_start = time.perf_counter()
+    changes: dict = {}
     if resume_dir:
-        run_dir = os.path.abspath(resume_dir)
-        if not os.path.isdir(run_dir):
-            raise ValueError(f"--resume {resume_dir!r} is not a run directory")
+        run_dir = runs.check_run_dir(resume_dir)
+        cfg, changes = runs.resume_config(run_dir, cfg)
+    sections = build(cfg)
+    if resume_dir:
+        done = _finished(run_dir, sections)
+        if done is not None:
+            return done
     else:
         run_dir = make_run_dir(cfg.workdir, cfg.name)
-        save_config(run_dir, cfg)
+    with _lock(run_dir):
+        if resume_dir:
+            done = _finished(run_dir, sections)  # another process may have finished it meanwhile
+            if done is not None:
+                return done
+        else:
+            save_config(run_dir, cfg)
+        attempt = runs.begin_attempt(run_dir, changes)
+        return _job(cfg, sections, run_dir, attempt, bool(resume_dir), progress, t_start)
+
+
+def _lock(run_dir: str):
+    """The run's lock, taken by the first process of a (multi-host) job only."""
+    return runs.RunLock(run_dir) if jax.process_index() == 0 else contextlib.nullcontext()
+
+
+def _finished(run_dir: str, sections: Sections) -> dict | None:
+    stored = runs.finished_summary(run_dir, sections.train.rl_steps)
+    if stored is None:
+        return None
+    log.info(
+        "run %s has finished its %d RL steps; nothing to do (raise train.rl_steps to continue)",
+        run_dir,
+        stored["rl_steps"],
+    )
+    return {k: stored.get(k) for k in stages.SUMMARY_KEYS}
+
+
+def _job(cfg, sections: Sections, run_dir: str, attempt: int, resume: bool, progress, t_start):
+    """SFT (or the initial params), the evaluation before RL, RL, the evaluation after it."""
     loop = sections.train
-    writer = MetricsWriter(run_dir)
-    summary_path = os.path.join(run_dir, "summary.json")
+    writer = MetricsWriter(run_dir, attempt=attempt)
+    summary_path = os.path.join(run_dir, runs.SUMMARY_FILE)
     prior = {}
-    if resume_dir and os.path.exists(summary_path):
+    if resume and os.path.exists(summary_path):
         with open(summary_path) as f:
             prior = json.load(f)
+        if "eval_after" in prior:  # finished with fewer RL steps: its last evaluation is kept
+            prior.setdefault("eval_mid", {})[str(prior["rl_steps"])] = prior.pop("eval_after")
 
     params = stages.start_params(
-        sections, cfg.seed, run_dir, resume=bool(resume_dir), writer=writer, progress=progress
+        sections, cfg.seed, run_dir, resume=resume, writer=writer, progress=progress
     )
     stages.before_rl(cfg, sections, params, prior, writer, summary_path)
 
-    rl = RLRun(sections, run_dir, params, seed=cfg.seed, resume=bool(resume_dir))
+    rl = RLRun(sections, run_dir, params, seed=cfg.seed, resume=resume, attempt=attempt)
     bar = ProgressBar(total=loop.rl_steps, initial=rl.start_step, desc="rl", enabled=progress)
-    entropy = prior.get("entropies", [])
+    entropy = prior.get("entropies", [])[: rl.start_step]  # a replayed step's entry comes again
     for step in range(rl.start_step, loop.rl_steps):
         metrics = rl.step(step)
         entropy.append(metrics.get("entropy", float("nan")))
@@ -83,9 +128,10 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
             writer.write(step + 1, stages.eval_metrics(mid), prefix="eval")
             prior.setdefault("eval_mid", {})[str(step + 1)] = mid  # in summary.json
         if (step + 1) % loop.ckpt_every == 0 or step + 1 == loop.rl_steps:
-            rl.save(step + 1)
+            # summary first: a kill between the two leaves entries a resume cuts back to its step
             prior["entropies"] = entropy
             stages.dump_json(summary_path, prior)
+            rl.save(step + 1)
     bar.close()
     after = stages.evaluate_run(sections, rl.state.params)
     writer.write(loop.rl_steps, stages.eval_metrics(after), prefix="eval")
@@ -107,17 +153,29 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
 
 
 def run_from_cli(args) -> int:
-    """``agentrl train SPEC [--set k=v ...] [--resume RUN_DIR]``."""
+    """``agentrl train SPEC [--set k=v ...]`` or ``agentrl train [SPEC] --resume RUN_DIR
+    [--set k=v ...]`` (without SPEC a resume starts from the run's own config).
+
+    Raises:
+      ValueError: neither SPEC nor ``--resume``, and everything :func:`run` raises.
+    """
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
     )
     maybe_initialize_distributed()  # multi-host launch: one JAX process group
     resume = getattr(args, "resume", None)
     overrides = getattr(args, "set", None) or []
-    if resume and not args.spec:
-        cfg = from_saved(load_config_json(resume), overrides)
+    spec = getattr(args, "spec", None)
+    if resume:
+        run_dir = runs.check_run_dir(resume)
+        if spec:
+            cfg = load_config(spec, overrides)
+        else:
+            cfg = apply_overrides(runs.load_run_config(run_dir), overrides)
+    elif spec:
+        cfg = load_config(spec, overrides)
     else:
-        cfg = load_config(args.spec, overrides)
+        raise ValueError("agentrl train needs an experiment SPEC (or --resume RUN_DIR)")
     summary = run(cfg, resume_dir=resume)
     sys.stdout.write(json.dumps(summary) + "\n")
     return 0

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentrl_jax.metrics import memory_metrics
+from agentrl_jax.metrics import JsonlWriter, memory_metrics
 from agentrl_jax.model.transformer import Transformer
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rl.advantages import get_advantage
@@ -49,6 +49,8 @@ from agentrl_jax.train.checkpoint import Checkpointer, stage_dir
 from agentrl_jax.train.guidance import Guidance
 
 log = logging.getLogger(__name__)
+
+TOOL_CALLS_FILE = "tool_calls.jsonl"
 
 # batch fields the update reads (when present)
 UPDATE_KEYS = (
@@ -86,7 +88,8 @@ class TrainConfig:
         ``eval/heldout_bug_type/<type>`` to the metrics; the mid-run results are kept whole in
         ``summary.json`` under ``eval_mid`` (by step), so paired gains can be computed later.
       ckpt_every: RL checkpoint every N steps (and at the end).
-      log_tool_calls: append every tool call of every rollout to ``tool_calls.jsonl``.
+      log_tool_calls: append every tool call of every rollout to ``tool_calls.jsonl``, each row
+        with the ``step`` (as in ``metrics.jsonl``) and ``attempt`` it belongs to.
       eval_before: evaluate the SFT checkpoint on the held-out split before RL. When False and
         ``init_from`` is a run dir whose ``summary.json`` holds its own before-RL evaluation
         of that SFT checkpoint under the same ``eval`` section and dtype policy, that
@@ -183,10 +186,19 @@ class RLRun:
       run_dir: the run directory (tool-call log, ``checkpoints/rl``).
       params: the parameters RL starts from (copied: the update donates its state).
       seed: the run's seed (rollout keys, the learner's PRNG key).
-      resume: continue from the latest RL checkpoint in ``run_dir`` if there is one.
+      resume: continue from the newest intact RL checkpoint in ``run_dir`` if there is one
+        (newer unusable ones are set aside: ``Checkpointer.restore``).
+      attempt: the process's attempt at the run (``train/runs.py``), written into every
+        ``tool_calls.jsonl`` row.
+
+    Raises:
+      ValueError: ``resume`` and no RL checkpoint of the run is intact, or the checkpoint does
+        not fit the config.
     """
 
-    def __init__(self, sections, run_dir: str, params, *, seed: int, resume: bool):
+    def __init__(
+        self, sections, run_dir: str, params, *, seed: int, resume: bool, attempt: int = 1
+    ):
         from agentrl_jax.data.pipeline import TaskPipeline
 
         s = self.sections = sections
@@ -216,6 +228,8 @@ class RLRun:
         self._values = critic.make_values_fn(s.model, s.rollout)
         self._value_targets = critic.make_targets_fn(kwargs)
         self.start_step = 0
+        self.attempt = attempt
+        self._log_step = 0  # the metrics step of the iteration running (tool-call rows)
         if resume and self.ckpt.latest_step() is not None:
             self._restore()
 
@@ -238,7 +252,9 @@ class RLRun:
         self.ckpt.save(step, params=s.params, opt_state=s.opt_state, rng=s.rng, meta=meta)
 
     def _restore(self) -> None:
-        out = self.ckpt.restore(params=self.state.params, opt_state=self.state.opt_state)
+        out = self.ckpt.restore(
+            params=self.state.params, opt_state=self.state.opt_state, set_aside=True
+        )
         meta = out["meta"]
         self.pipeline.restore(meta["data"])
         i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
@@ -260,6 +276,7 @@ class RLRun:
     # one iteration -----------------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
         """One RL iteration (module docstring); returns its metrics."""
+        self._log_step = step + 1
         collected = self.collect(step)
         batch = self.score(collected.batch)
         t1 = time.perf_counter()
@@ -322,10 +339,7 @@ class RLRun:
 
     def play(self, tasks: list, k: int, key, greedy: np.ndarray):
         """``k`` episodes of the current policy per task (group ``i`` = task ``i``), counted in
-        the rejected-call rate and logged to ``tool_calls.jsonl``."""
-        log_path = (
-            os.path.join(self.run_dir, "tool_calls.jsonl") if self.loop.log_tool_calls else None
-        )
+        the rejected-call rate and logged to ``tool_calls.jsonl`` (with step and attempt)."""
         traj = run_episodes(
             Transformer(self.model_cfg, self.controller.active),
             self.state.params,
@@ -340,9 +354,12 @@ class RLRun:
             max_turns=self.loop.max_turns,
             process_weights=self.loop.process_weights,
             group_ids=[i for i in range(len(tasks)) for _ in range(k)],
-            log_path=log_path,
             greedy=[bool(x) for x in greedy],
         )
+        if self.loop.log_tool_calls:
+            with JsonlWriter(os.path.join(self.run_dir, TOOL_CALLS_FILE)) as f:
+                for row in traj.logs:
+                    f.write({"step": self._log_step, "attempt": self.attempt, **row})
         self._calls[0] += len(traj.logs)
         self._calls[1] += sum(bool(r.get("error")) for r in traj.logs)
         return traj

@@ -312,7 +312,7 @@ class _StepLog:
 
 def _restore(ckpt: Checkpointer, state: TrainState, streams: dict) -> tuple[TrainState, int]:
     """The latest SFT checkpoint's state and the streams' positions; returns ``(state, step)``."""
-    out = ckpt.restore(params=state.params, opt_state=state.opt_state)
+    out = ckpt.restore(params=state.params, opt_state=state.opt_state, set_aside=True)
     start = out["step"]
     state = state._replace(
         params=out["params"],
@@ -350,7 +350,8 @@ def run_sft(
       env: the environment or its registry name (its expert makes the demonstrations).
       data: the run's task settings (``DemoStream``); default ``DataConfig()``.
       params: initial parameters (default: ``init_params`` with ``cfg.seed``).
-      resume: continue from the latest checkpoint in ``run_dir`` (else an existing one is an
+      resume: continue from the newest intact checkpoint in ``run_dir`` (newer unusable ones
+        are set aside, ``Checkpointer.restore``; without ``resume`` an existing one is an
         error: a checkpoint is never overwritten silently).
       writer: metrics writer to share with the caller (default: a new one on ``run_dir``).
       progress: force the progress bar on/off (default: on for a TTY).
@@ -360,8 +361,8 @@ def run_sft(
       ``sft/steps_per_s``, ``sft/tokens_per_s`` (padded tokens) and ``sft/dropped_demos``.
 
     Raises:
-      ValueError: the vocabulary is too small, or ``run_dir`` already holds SFT checkpoints and
-        ``resume`` is False.
+      ValueError: the vocabulary is too small, ``run_dir`` already holds SFT checkpoints and
+        ``resume`` is False, or none of them is intact.
     """
     vocab = as_env(env).tokenizer().vocab_size
     if model_cfg.vocab_size < vocab:

@@ -185,6 +185,25 @@ def gains(before: dict | None, after: dict) -> dict[str, Any] | None:
     }
 
 
+SUMMARY_KEYS = (
+    "heldout_success_before_rl",
+    "heldout_success_after_rl",
+    "goal_adherence_before_rl",
+    "goal_adherence_after_rl",
+    "heldout_sampled_success_before_rl",
+    "heldout_sampled_success_after_rl",
+    "heldout_gain",
+    "eval_before_from",
+    "eval_split",
+    "entropy_start",
+    "entropy_end",
+    "nonfinite_steps",
+    "rl_steps",
+    "wall_s",
+    "run_dir",
+)  # what summary() returns, in order (a finished run's summary is read back by these keys)
+
+
 def summary(
     prior: dict,
     after: dict,
@@ -200,7 +219,7 @@ def summary(
     in ``prior`` and the after-RL evaluation ``after``."""
     finite = [e for e in entropies if np.isfinite(e)]
     before = prior.get("eval_before")
-    return {
+    out = {
         "heldout_success_before_rl": prior.get("heldout_success_before_rl"),
         "heldout_success_after_rl": mode_value(after, "success"),
         "goal_adherence_before_rl": prior.get("goal_adherence_before_rl"),
@@ -217,6 +236,7 @@ def summary(
         "wall_s": round(wall_s, 1),
         "run_dir": run_dir,
     }
+    return out
 
 
 def dump_json(path: str, obj: dict) -> None:

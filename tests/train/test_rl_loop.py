@@ -9,6 +9,7 @@ import pytest
 
 from agentrl_jax.config import apply_overrides, load_config
 from agentrl_jax.experiment import build
+from agentrl_jax.metrics import latest_attempts, read_jsonl
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
@@ -112,12 +113,22 @@ def test_resume_is_bitwise(tmp_path):
     for step in range(2):
         a.step(step)
     b = _rl_run(cfg, str(broken), params, resume=False)
-    b.step(0)
-    b.save(1)
+    for step in range(2):
+        b.step(step)
+        b.save(step + 1)
     b.ckpt.close()
-    del b  # "killed"
-    c = _rl_run(cfg, str(broken), params, resume=True)
-    assert c.start_step == 1
+    del b  # "killed", and then its newest checkpoint is damaged: one byte of a data file
+    step2 = os.path.join(broken, "checkpoints", "rl", "2")
+    data = max(
+        (os.path.join(r, f) for r, _, fs in os.walk(step2) if "/d" in r for f in fs),
+        key=os.path.getsize,
+    )
+    raw = bytearray(open(data, "rb").read())
+    raw[len(raw) // 2] ^= 0x01
+    open(data, "wb").write(bytes(raw))
+    c = RLRun(build(cfg), str(broken), params, seed=cfg.seed, resume=True, attempt=2)
+    assert c.start_step == 1  # step 2 fails its checksums: set aside, step 1 restored
+    assert os.listdir(os.path.join(broken, "checkpoints", "unusable")) == ["rl-2"]
     c.step(1)
     for x, y in zip(jax.tree.leaves(a.state.params), jax.tree.leaves(c.state.params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -126,6 +137,16 @@ def test_resume_is_bitwise(tmp_path):
     assert a.pipeline.state() == c.pipeline.state()
     with pytest.raises(ValueError, match="already holds"):
         _rl_run(cfg, str(broken), params, resume=False)
+    # the replayed step's tool calls are those of the first try, told apart by their attempt
+    calls = read_jsonl(os.path.join(broken, "tool_calls.jsonl"))
+    by = lambda step, attempt: [  # noqa: E731
+        {k: v for k, v in r.items() if k != "attempt"}
+        for r in calls
+        if (r["step"], r["attempt"]) == (step, attempt)
+    ]
+    assert by(2, 1) and by(2, 1) == by(2, 2) and by(1, 1) and not by(1, 2)
+    kept = latest_attempts(calls, stage=lambda r: None)
+    assert [r for r in kept if r["step"] == 2] == [r for r in calls if r["attempt"] == 2]
 
 
 def test_stored_eval_of_the_train_split_needs_the_same_data_section(tmp_path):
