@@ -22,7 +22,7 @@ def _summary(run):
         }
         for name, results in (("eval_before", before), ("eval_after", after))
     }
-    from agentrl_jax.train.evaluate import paired_gain
+    from agentrl_jax.train.eval_stats import paired_gain
 
     gains = {m: paired_gain(evals["eval_before"][m], evals["eval_after"][m]) for m in before}
     return {

@@ -179,7 +179,11 @@ def _bug_labels(task) -> tuple[list[str], list[str]]:
     """A task's distinct bug types and ``"type/subtype"`` labels (none for a task without bugs)."""
     types = sorted(set(task.bug_types))
     subtypes = sorted(
-        {f"{b.type}/{b.subtype}" for b in task.bugs if getattr(b, "subtype", None) is not None}
+        {
+            f"{b.type}/{b.subtype}"
+            for b in getattr(task, "bugs", ())
+            if getattr(b, "subtype", None) is not None
+        }
     )
     return types, subtypes
 
