@@ -46,7 +46,6 @@ logger = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 TB_DIR = "tb"
-TOOL_LOG_FILE = "tool_log.jsonl"
 NO_PROGRESS_ENV = "AGENTRL_NO_PROGRESS"
 RESERVED_KEYS = ("step", "time", "attempt")
 _MAX_SUFFIX = 1000
@@ -170,7 +169,6 @@ class JsonlWriter:
         self.close()
 
 
-ToolLogWriter = JsonlWriter
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -120,7 +120,7 @@ def test_metrics_writer_errors(tmp_path):
 
 
 def test_jsonl_writer_tool_log_and_truncated_line(tmp_path):
-    path = tmp_path / "sub" / metrics.TOOL_LOG_FILE
+    path = tmp_path / "sub" / "tool_calls.jsonl"
     with metrics.JsonlWriter(path) as w:
         w.write({"turn": np.int32(1), "tool": "run_tests", "args": {"k": [np.float32(0.5)]}})
         w.write({"turn": 2, "tool": "edit", "args": {"x": float("nan")}})
