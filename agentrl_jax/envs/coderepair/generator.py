@@ -48,6 +48,83 @@ def _call_words(rng: random.Random, callee: tuple[str, int], pool: list[str]) ->
     return words + [")"]
 
 
+_OPS = ("+", "-", "*")
+
+
+def _arith(rng, params, other, arity, callees):
+    x, y = rng.sample(["x", "y", "z", "t", "u"], 2)
+    return [
+        [x, "=", "a", rng.choice(_OPS), _k(rng)],
+        [y, "=", x, rng.choice(_OPS), other if arity == 2 else _k(rng)],
+        ["return", y, rng.choice(("+", "-")), _k(rng)],
+    ]
+
+
+def _sum(rng, params, other, arity, callees):
+    s, i = rng.choice(("s", "t", "r")), rng.choice(("i", "j", "k"))
+    term = [i, rng.choice(("+", "*")), other if arity == 2 and rng.random() < 0.5 else _k(rng)]
+    return [[s, "=", "0"], ["for", i, "in", "0", "to", "a"], [s, "=", s, "+", *term], ["end"],
+            ["return", s]]  # fmt: skip
+
+
+def _count(rng, params, other, arity, callees):
+    c, i = rng.choice(("c", "n", "m")), rng.choice(("i", "j", "k"))
+    cond = (
+        [i, "%", _k(rng, 2, 4), "==", "0"]
+        if rng.random() < 0.5
+        else [i, rng.choice(("<", ">", "<=", ">=")), "b"]
+    )
+    return [[c, "=", "0"], ["for", i, "in", "0", "to", "a"], ["if", *cond],
+            [c, "=", c, "+", "1"], ["end"], ["end"], ["return", c]]  # fmt: skip
+
+
+def _branch(rng, params, other, arity, callees):
+    return [
+        ["if", "a", rng.choice(("<", ">", "<=", ">=")), "b"],
+        ["return", "a", rng.choice(_OPS), "b", "+", _k(rng)],
+        ["end"],
+        ["return", "b", rng.choice(_OPS), _k(rng)],
+    ]
+
+
+def _clamp(rng, params, other, arity, callees):
+    x = rng.choice(("x", "v", "w"))
+    cap = _k(rng, 3, 9)
+    return [[x, "=", "a", rng.choice(_OPS), other if arity == 2 else _k(rng)],
+            ["if", x, ">", cap], [x, "=", cap], ["end"], ["return", x]]  # fmt: skip
+
+
+def _call(rng, params, other, arity, callees):
+    x, y = rng.sample(["x", "y", "p", "q"], 2)
+    g = rng.choice(callees)
+    h = rng.choice(callees)
+    return [
+        [x, "=", *_call_words(rng, g, [*params, _k(rng)])],
+        [y, "=", x, rng.choice(("+", "-")), *_call_words(rng, h, [*params, x])],
+        ["return", y, rng.choice(_OPS), _k(rng, 1, 3)],
+    ]
+
+
+def _loopcall(rng, params, other, arity, callees):
+    s, i = rng.choice(("s", "t", "r")), rng.choice(("i", "j", "k"))
+    g = rng.choice(callees)
+    call = _call_words(rng, g, [i, "b"] if g[1] == 2 else [i])
+    return [[s, "=", "0"], ["for", i, "in", "0", "to", "a"], [s, "=", s, "+", *call], ["end"],
+            ["return", s]]  # fmt: skip
+
+
+# idiom -> body builder ``(rng, params, other, arity, callees) -> lines``
+_BODIES = {
+    "arith": _arith,
+    "sum": _sum,
+    "count": _count,
+    "branch": _branch,
+    "clamp": _clamp,
+    "call": _call,
+    "loopcall": _loopcall,
+}
+
+
 def make_function(
     rng: random.Random, name: str, kind: str, callees: list[tuple[str, int]]
 ) -> tuple[list[list[str]], int]:
@@ -62,78 +139,7 @@ def make_function(
         raise ValueError(f"kind={kind!r} needs at least one callee")
     arity = rng.choice((1, 2)) if kind in ("arith", "sum", "clamp", "call") else 2
     params = ["a", "b"][:arity]
-    other = params[-1]
-    ops = ("+", "-", "*")
-    body: list[list[str]]
-    if kind == "arith":
-        x, y = rng.sample(["x", "y", "z", "t", "u"], 2)
-        body = [
-            [x, "=", "a", rng.choice(ops), _k(rng)],
-            [y, "=", x, rng.choice(ops), other if arity == 2 else _k(rng)],
-            ["return", y, rng.choice(("+", "-")), _k(rng)],
-        ]
-    elif kind == "sum":
-        s, i = rng.choice(("s", "t", "r")), rng.choice(("i", "j", "k"))
-        term = [i, rng.choice(("+", "*")), other if arity == 2 and rng.random() < 0.5 else _k(rng)]
-        body = [
-            [s, "=", "0"],
-            ["for", i, "in", "0", "to", "a"],
-            [s, "=", s, "+", *term],
-            ["end"],
-            ["return", s],
-        ]
-    elif kind == "count":
-        c, i = rng.choice(("c", "n", "m")), rng.choice(("i", "j", "k"))
-        cond = (
-            [i, "%", _k(rng, 2, 4), "==", "0"]
-            if rng.random() < 0.5
-            else [i, rng.choice(("<", ">", "<=", ">=")), "b"]
-        )
-        body = [
-            [c, "=", "0"],
-            ["for", i, "in", "0", "to", "a"],
-            ["if", *cond],
-            [c, "=", c, "+", "1"],
-            ["end"],
-            ["end"],
-            ["return", c],
-        ]
-    elif kind == "branch":
-        body = [
-            ["if", "a", rng.choice(("<", ">", "<=", ">=")), "b"],
-            ["return", "a", rng.choice(ops), "b", "+", _k(rng)],
-            ["end"],
-            ["return", "b", rng.choice(ops), _k(rng)],
-        ]
-    elif kind == "clamp":
-        x = rng.choice(("x", "v", "w"))
-        cap = _k(rng, 3, 9)
-        body = [
-            [x, "=", "a", rng.choice(ops), other if arity == 2 else _k(rng)],
-            ["if", x, ">", cap],
-            [x, "=", cap],
-            ["end"],
-            ["return", x],
-        ]
-    elif kind == "call":
-        x, y = rng.sample(["x", "y", "p", "q"], 2)
-        g = rng.choice(callees)
-        h = rng.choice(callees)
-        body = [
-            [x, "=", *_call_words(rng, g, [*params, _k(rng)])],
-            [y, "=", x, rng.choice(("+", "-")), *_call_words(rng, h, [*params, x])],
-            ["return", y, rng.choice(ops), _k(rng, 1, 3)],
-        ]
-    else:  # loopcall
-        s, i = rng.choice(("s", "t", "r")), rng.choice(("i", "j", "k"))
-        g = rng.choice(callees)
-        body = [
-            [s, "=", "0"],
-            ["for", i, "in", "0", "to", "a"],
-            [s, "=", s, "+", *_call_words(rng, g, [i, "b"] if g[1] == 2 else [i])],
-            ["end"],
-            ["return", s],
-        ]
+    body = _BODIES[kind](rng, params, params[-1], arity, callees)
     header = ["def", name, "("] + [
         w for j, p in enumerate(params) for w in ([","] if j else []) + [p]
     ]
