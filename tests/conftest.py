@@ -1,11 +1,18 @@
 """Test set-up: 8 fake CPU devices, set before jax is imported anywhere."""
 
 import os
+import sys
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Tests share the benchmarks' model presets and timing helper (benchmarks/common.py): the
+# repository root goes after site-packages, so the PyPI package `kernels` stays first.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.append(ROOT)
 
 import jax  # noqa: E402
 

@@ -12,6 +12,7 @@ from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rl.attention_credit import attention_credit_mass, final_turn_queries, layer_mass
+from benchmarks.common import preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
@@ -75,10 +76,7 @@ def test_model_mass_from_the_training_pass():
     """Mass of a 4-layer hybrid model (S then D, twice) from the sown q / k: the logits are
     those of a plain pass, the final turn's tokens get 0, the rest sums to what the final turn
     does not take, and a hand-rebuilt reference from the sown q / k agrees."""
-    cfg = ModelConfig(
-        vocab_size=64, d_model=32, n_layers=4, layer_pattern="SD", n_heads=4, n_kv_heads=2,
-        head_dim=8, d_ff=64, window=4,
-    )  # fmt: skip
+    cfg = preset("tiny-dense", n_layers=4, d_ff=64, window=4, init_std=0.02)
     model = Transformer(cfg, get_policy("fp32"))
     params = init_params(model, jax.random.key(0))
     r = np.random.default_rng(1)

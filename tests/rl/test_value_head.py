@@ -19,21 +19,12 @@ from agentrl_jax.rl.state import RLConfig, init_train_state
 from agentrl_jax.rl.update import make_update_fn
 from agentrl_jax.train.checkpoint import Checkpointer, stage_dir
 from agentrl_jax.train.main import run
+from benchmarks.common import preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
 B, T = 4, 12
-CFG = ModelConfig(
-    vocab_size=48,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    layer_pattern="D",
-    d_ff=64,
-    init_std=0.2,
-)
+CFG = preset("tiny-dense", vocab_size=48, layer_pattern="D", d_ff=64)
 
 
 def _model(value_head):

@@ -14,7 +14,6 @@ import pytest
 from agentrl_jax.data import DataConfig
 from agentrl_jax.envs.coderepair import BUG_TYPES
 from agentrl_jax.metrics import save_config
-from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.train.checkpoint import Checkpointer, stage_dir
@@ -28,11 +27,9 @@ from agentrl_jax.train.evaluate import (
     pass_at_k,
     summarize,
 )
+from benchmarks.common import preset
 
-TINY = ModelConfig(
-    vocab_size=512, d_model=16, n_layers=1, layer_pattern="D", n_heads=2, n_kv_heads=1,
-    head_dim=8, d_ff=32, window=512,
-)  # fmt: skip
+TINY = preset("tiny-1layer")
 EVAL = EvalConfig(difficulty=0, n_episodes=3, max_len=384, max_new_tokens=8, n_slots=3, chunk=4)
 
 

@@ -10,15 +10,12 @@ import optax
 import pytest
 
 from agentrl_jax.envs.coderepair import CodeTokenizer, ExpertPolicy, make_task
-from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.train.checkpoint import Checkpointer, restore_params, stage_dir
 from agentrl_jax.train.demos import DemoSource, bucket_length, crop_demo, demo_episode, pad_batch
 from agentrl_jax.train.sft import MAX_TURN_SLOTS, SFTConfig, run_sft, sft_loss, sft_optimizer
+from benchmarks.common import preset
 
-TINY = ModelConfig(
-    vocab_size=512, d_model=16, n_layers=1, layer_pattern="D", n_heads=2, n_kv_heads=1,
-    head_dim=8, d_ff=32, window=512,
-)  # fmt: skip
+TINY = preset("tiny-1layer")
 
 
 def _sft_loss_reference(logits, batch, lm_weight):
