@@ -66,6 +66,16 @@ def _add_set(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_distributed(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "multi-process launch (one process per host or per GPU; default: from the cluster's "
+        "variables, see README)"
+    )
+    g.add_argument("--coordinator", metavar="HOST:PORT", default=None, help="process 0's address")
+    g.add_argument("--num-processes", type=_positive_int, default=None, metavar="N")
+    g.add_argument("--process-id", type=int, default=None, metavar="I", help="in [0, N)")
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -107,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="continue this run (its own config; see docs/runs.md for what --set may change)",
     )
+    _add_distributed(p)
 
     p = sub.add_parser("eval", help="evaluate a run directory or checkpoint")
     p.add_argument("run_dir_or_checkpoint")
