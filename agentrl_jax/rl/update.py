@@ -402,14 +402,9 @@ def make_update_fn(
     shardings: StepShardings | None = None,
 ) -> UpdateFn:
     """The jitted ``update_fn(state, batch, rng=None) -> (state, metrics)`` (state donated):
-    ``jax.jit`` of :func:`make_update`.
-
-    With ``shardings`` (``sharding.StepShardings``) it is jitted with explicit in/out
-    shardings: the state (parameters and optimiser state sharded by the logical rules) in and
-    out, batch rows over the batch axes, rng and metrics replicated; the whole step (the
-    pre-update recompute, every PPO epoch and minibatch, the optimiser) is one program on the
-    mesh, with no parameter leaving the devices.
-    """
+    ``jax.jit`` of :func:`make_update`; with ``shardings`` (``sharding.StepShardings``) one
+    program over the mesh with explicit in/out shardings (state sharded by the rules, batch
+    rows over the batch axes, rng and metrics replicated)."""
     update = make_update(model, rl_cfg, policy, sampling_meta)
     if shardings is None:
         return jax.jit(update, donate_argnums=(0,))

@@ -18,7 +18,8 @@ Metrics per step: ``loss``, ``action_nll``, ``lm_nll``, ``action_acc`` (argmax a
 action tokens), ``fix_acc`` (on the action tokens of ``edit``/``sub`` turns), ``turn_exact`` /
 ``fix_turn_exact`` (fraction of whole turns whose every token is the argmax: the teacher-forced
 proxy of greedy success), ``grad_norm``, ``lr``, ``tokens_per_s``, ``steps_per_s`` and
-``cpu_s_per_step`` (process CPU time: the honest cost on a shared machine).
+``cpu_s_per_step`` (process CPU time: the honest cost on a shared machine), and where the backend
+reports device memory ``peak_device_memory_bytes`` / ``_fraction`` (a warning at 85%).
 
 Curriculum: the first ``curriculum_fraction`` of the steps draws demonstrations from
 ``curriculum_difficulties`` (e.g. easy level 0), cropped to ``curriculum_crop_len`` tokens ending
@@ -44,7 +45,7 @@ import optax
 
 from agentrl_jax.data import DataConfig
 from agentrl_jax.envs.registry import EnvSpec, as_env
-from agentrl_jax.metrics import MetricsWriter, ProgressBar
+from agentrl_jax.metrics import MetricsWriter, ProgressBar, memory_metrics
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import DTypePolicy, get_policy
@@ -318,6 +319,11 @@ class _StepLog:
         # CPU seconds per step (all threads): on a shared machine, wall time / step overstates
         # the cost; this is what an idle machine would need (divided by cores).
         out["cpu_s_per_step"] = (cpu - self.cpu) / self.n
+        # device memory where the backend reports it (warns at the 85% watermark)
+        memory = memory_metrics()
+        for key in ("peak_device_memory_bytes", "peak_device_memory_fraction"):
+            if memory[key] is not None:
+                out[key] = memory[key]
         self.acc, self.n, self.tokens, self.t, self.cpu = {}, 0, 0, now, cpu
         return out
 
