@@ -75,6 +75,11 @@ def _add_distributed(p: argparse.ArgumentParser) -> None:
     g.add_argument("--coordinator", metavar="HOST:PORT", default=None, help="process 0's address")
     g.add_argument("--num-processes", type=_positive_int, default=None, metavar="N")
     g.add_argument("--process-id", type=int, default=None, metavar="I", help="in [0, N)")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="initialise jax.distributed from JAX's cluster detection (e.g. Cloud TPU VMs)",
+    )
 
 
 def _positive_int(text: str) -> int:

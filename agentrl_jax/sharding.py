@@ -239,15 +239,19 @@ def maybe_initialize_distributed(
     coordinator: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    *,
+    detect: bool = False,
 ) -> bool:
     """Calls ``jax.distributed.initialize`` when this is one of several processes.
 
     Explicit arguments (``agentrl train --coordinator HOST:PORT --num-processes N
     --process-id I``) win; without them a launch is detected from the usual variables
     (``JAX_COORDINATOR_ADDRESS`` with ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``, SLURM, Open
-    MPI, TPU pod workers), whose values JAX reads itself. CPU collectives go through gloo (the
-    CPU backend has no others; GPU and TPU backends ignore the setting). Must run before
-    anything touches a JAX backend.
+    MPI, TPU workers on Kubernetes), whose values JAX reads itself; ``detect=True``
+    (``--distributed``) initialises with JAX's own cluster detection in any case (Cloud TPU
+    VMs, found through their metadata server). CPU collectives go through gloo (the CPU
+    backend has no others; GPU and TPU backends ignore the setting). Must run before anything
+    touches a JAX backend.
 
     Returns:
       True if ``jax.distributed`` was initialised (here or before).
@@ -270,7 +274,9 @@ def maybe_initialize_distributed(
             raise ValueError(f"--process-id={process_id} must be in [0, {num_processes})")
         if num_processes == 1:
             return False
-    elif not any(os.environ.get(m) for m in CLUSTER_MARKERS) or _cluster_processes() == 1:
+    elif not detect and (
+        not any(os.environ.get(m) for m in CLUSTER_MARKERS) or _cluster_processes() == 1
+    ):
         return False
     if jax.distributed.is_initialized():
         return True

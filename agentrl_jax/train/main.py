@@ -214,6 +214,7 @@ def run_from_cli(args) -> int:
         getattr(args, "coordinator", None),
         getattr(args, "num_processes", None),
         getattr(args, "process_id", None),
+        detect=bool(getattr(args, "distributed", False)),
     )
     resume = getattr(args, "resume", None)
     overrides = getattr(args, "set", None) or []
