@@ -7,7 +7,8 @@ parsed ``argparse.Namespace``, so a missing piece only disables its own subcomma
     agentrl train experiments/default.py:smoke=True --set model.n_layers=8
     agentrl eval runs/default-20250101-120000 --split heldout --episodes 64
     agentrl sweep experiments/default.py --set rl.lr=1e-5
-    agentrl plan experiments/seed_moe_100l.py --devices 256
+    agentrl plan experiments/seed_moe_100l.py --devices 256 --accelerator h100
+    agentrl train EXP --coordinator HOST:PORT --num-processes N --process-id I  (each process)
     agentrl bench rollout -- --fast      (runs benchmarks/rollout.py with this Python)
     agentrl report runs/default-20250101-120000
     agentrl convert path/to/Qwen3-0.6B runs/qwen3      (an HF directory -> a run directory)
@@ -66,6 +67,21 @@ def _add_set(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_distributed(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "multi-process launch (one process per host or per GPU; default: from the cluster's "
+        "variables, see README)"
+    )
+    g.add_argument("--coordinator", metavar="HOST:PORT", default=None, help="process 0's address")
+    g.add_argument("--num-processes", type=_positive_int, default=None, metavar="N")
+    g.add_argument("--process-id", type=int, default=None, metavar="I", help="in [0, N)")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="initialise jax.distributed from JAX's cluster detection (e.g. Cloud TPU VMs)",
+    )
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -107,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="continue this run (its own config; see docs/runs.md for what --set may change)",
     )
+    _add_distributed(p)
 
     p = sub.add_parser("eval", help="evaluate a run directory or checkpoint")
     p.add_argument("run_dir_or_checkpoint")
@@ -148,6 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="parameter/FLOP/memory plan of a model (eval_shape only)")
     _add_spec(p)
     p.add_argument("--devices", type=_positive_int, default=None, help="number of devices")
+    p.add_argument(
+        "--accelerator",
+        choices=("h100", "h200", "v5p", "v6e"),
+        default=None,
+        help="memory per device against this device's capacity (fits at <= 85%%?)",
+    )
+    p.add_argument(
+        "--context", type=_positive_int, default=None, help="tokens per sequence (FLOPs, KV)"
+    )
 
     p = sub.add_parser("bench", help="run benchmarks/<name>.py with this Python")
     p.add_argument("name", help="benchmark script name, e.g. rollout")

@@ -58,6 +58,9 @@ def base_config() -> ConfigDict:
     cfg.workdir = "runs"  # run directories are created under here
     cfg.env = "coderepair"  # environment registry name (agentrl_jax.envs.registry)
     cfg.policy = "fp32"  # agentrl_jax.precision preset name
+    # attention kernels: 'auto' (kernels.select.select_impl: only what lowers on the backend),
+    # 'xla' or 'pallas'; replaces the preset's kernel_impl
+    cfg.kernel_impl = "auto"
     cfg.sweep_vectorized = False  # agentrl sweep: one vmapped learner for all points
     cfg.init = _section(InitConfig)  # a pretrained Hugging Face model to start from
     cfg.model = _section(ModelConfig)
@@ -118,7 +121,7 @@ def build(cfg: ConfigDict) -> Sections:
         env=env,
         init=init,
         model=model,
-        policy=get_policy(cfg.policy),
+        policy=_policy(cfg),
         mesh=to_dataclass(cfg.mesh, MeshConfig),
         sft=to_dataclass(cfg.sft, SFTConfig),
         eval=to_dataclass(cfg.eval, EvalConfig),
@@ -130,6 +133,14 @@ def build(cfg: ConfigDict) -> Sections:
     _check_env(s)
     _check_train(s)
     return s
+
+
+def _policy(cfg: ConfigDict) -> DTypePolicy:
+    """The ``policy`` preset with the config's ``kernel_impl``."""
+    allowed = ("auto", "xla", "pallas")
+    if cfg.kernel_impl not in allowed:
+        raise ValueError(f"kernel_impl={cfg.kernel_impl!r}; allowed: {allowed}")
+    return get_policy(cfg.policy, kernel_impl=cfg.kernel_impl)
 
 
 def _check_env(s: Sections) -> None:

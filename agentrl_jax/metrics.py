@@ -441,6 +441,13 @@ class ProgressBar:
         self.close()
 
 
+def _memory_stats(device) -> dict | None:
+    try:
+        return device.memory_stats() or None
+    except Exception:  # some backends raise instead of returning None
+        return None
+
+
 def peak_device_memory_bytes(device=None) -> int | None:
     """Peak bytes in use on ``device`` (default ``jax.local_devices()[0]``), or None.
 
@@ -448,15 +455,41 @@ def peak_device_memory_bytes(device=None) -> int | None:
     """
     import jax
 
-    device = jax.local_devices()[0] if device is None else device
-    try:
-        stats = device.memory_stats()
-    except Exception:  # some backends raise instead of returning None
-        return None
+    stats = _memory_stats(jax.local_devices()[0] if device is None else device)
     if not stats:
         return None
     peak = stats.get("peak_bytes_in_use", stats.get("bytes_in_use"))
     return None if peak is None else int(peak)
+
+
+MEMORY_WATERMARK = 0.85  # the guide's safe peak fraction of device memory
+_warned_fraction = [0.0]
+
+
+def peak_device_memory_fraction(devices=None) -> float | None:
+    """The highest peak-in-use / capacity (``bytes_limit``) over ``devices`` (default: this
+    process's), or None where the backend reports neither. Logs a warning when it reaches
+    ``MEMORY_WATERMARK`` (again only when it grows by another 1%)."""
+    import jax
+
+    fractions = []
+    for device in jax.local_devices() if devices is None else devices:
+        stats = _memory_stats(device) or {}
+        peak = stats.get("peak_bytes_in_use", stats.get("bytes_in_use"))
+        if peak is not None and stats.get("bytes_limit"):
+            fractions.append(peak / stats["bytes_limit"])
+    if not fractions:
+        return None
+    fraction = max(fractions)
+    if fraction >= MEMORY_WATERMARK and fraction >= _warned_fraction[0] + 0.01:
+        _warned_fraction[0] = fraction
+        logger.warning(
+            "peak device memory at %.1f%% of capacity (safe watermark %.0f%%): see "
+            "`agentrl plan --accelerator` for a mesh or micro-batch that fits",
+            100 * fraction,
+            100 * MEMORY_WATERMARK,
+        )
+    return fraction
 
 
 def host_peak_rss_bytes() -> int:
@@ -465,9 +498,14 @@ def host_peak_rss_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
 
 
-def memory_metrics(device=None) -> dict[str, int | None]:
-    """``{"peak_device_memory_bytes": int|None, "host_peak_rss_bytes": int}`` for logging."""
+def memory_metrics(device=None) -> dict[str, int | float | None]:
+    """``{"peak_device_memory_bytes": int|None, "peak_device_memory_fraction": float|None,
+    "host_peak_rss_bytes": int}`` for logging (the fraction: the highest over this process's
+    devices, with the 85% warning of :func:`peak_device_memory_fraction`)."""
     return {
         "peak_device_memory_bytes": peak_device_memory_bytes(device),
+        "peak_device_memory_fraction": peak_device_memory_fraction(
+            None if device is None else [device]
+        ),
         "host_peak_rss_bytes": host_peak_rss_bytes(),
     }

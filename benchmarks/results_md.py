@@ -59,6 +59,7 @@ SUITE: dict[str, list[str]] = {
     "teacher_forced": ["--reps", "3"],
     "update": ["--reps", "3", "--iter-reps", "2"],
     "kernels": ["--reps", "3"],
+    "scaling": ["--reps", "3"],
 }
 REPS_FLAGS: dict[str, tuple[str, ...]] = {
     "compile_depth": ("--reps",),
@@ -67,6 +68,7 @@ REPS_FLAGS: dict[str, tuple[str, ...]] = {
     "teacher_forced": ("--reps",),
     "update": ("--reps", "--iter-reps"),
     "kernels": ("--reps",),
+    "scaling": ("--reps",),
     "rollout_baseline": ("--reps",),
     "update_baseline": ("--reps",),
 }
@@ -118,6 +120,13 @@ COLUMNS: dict[str, str] = {
     "update_baseline": (
         "variant; step_ms=step ms; step_ms_min=min; step_ms_max=max; tokens_per_s=tok/s; "
         "compile_s=compile s"
+    ),
+    "scaling": (
+        "mesh; processes; update_max_abs_param_diff_vs_single=param diff vs 1 device; "
+        "max_abs_param_diff_vs_1proc=param diff vs 1 process; resume_bitwise=resume bitwise; "
+        "param_bytes_per_device=param bytes/device; opt_bytes_per_device=opt bytes/device; "
+        "ratio_bytes_vs_single=bytes vs 1 device; full_shard_ratio_x_n=full shards x N; "
+        "step_ms=step ms; compiled_temp_bytes_per_device=temp bytes/device"
     ),
 }
 _GENERIC_MAX_COLUMNS = 8

@@ -167,10 +167,33 @@ def test_progress_bar_disabled_and_enabled(monkeypatch, capsys):
 
 def test_memory_metrics():
     m = metrics.memory_metrics()
-    assert set(m) == {"peak_device_memory_bytes", "host_peak_rss_bytes"}
+    keys = {"peak_device_memory_bytes", "peak_device_memory_fraction", "host_peak_rss_bytes"}
+    assert set(m) == keys
     assert m["host_peak_rss_bytes"] > 1 << 20  # a Python process with jax uses > 1 MiB
     peak = m["peak_device_memory_bytes"]
     assert peak is None or peak > 0
+
+
+class _Device:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_peak_memory_fraction_and_watermark_warning(caplog, monkeypatch):
+    monkeypatch.setattr(metrics, "_warned_fraction", [0.0])
+    cpu = _Device(None)  # backends without memory stats report nothing
+    assert metrics.peak_device_memory_fraction([cpu]) is None
+    low = _Device({"peak_bytes_in_use": 40, "bytes_limit": 100})
+    high = _Device({"peak_bytes_in_use": 90, "bytes_limit": 100})
+    with caplog.at_level("WARNING", logger="agentrl_jax.metrics"):
+        assert metrics.peak_device_memory_fraction([low]) == 0.4
+        assert not caplog.records
+        assert metrics.peak_device_memory_fraction([low, high]) == 0.9  # the highest device
+        assert metrics.peak_device_memory_fraction([high]) == 0.9  # warned once at 90%
+    assert len(caplog.records) == 1 and "90.0% of capacity" in caplog.records[0].getMessage()
 
 
 def _synthetic_run(tmp_path, n=20):

@@ -41,7 +41,7 @@ class FallbackController:
         self._fns: dict[str, Callable] = {}
         self.cfg = rl_cfg
         self.primary = policy
-        self.fallback = get_policy(rl_cfg.fallback_policy)
+        self.fallback = get_policy(rl_cfg.fallback_policy, kernel_impl=policy.kernel_impl)
         self.active = policy
         self.consecutive = 0
         self.remaining = 0

@@ -53,6 +53,7 @@ from agentrl_jax.rl.logprobs import target_mask
 from agentrl_jax.rl.losses import policy_loss, value_loss
 from agentrl_jax.rl.mismatch import mismatch_metrics
 from agentrl_jax.rl.state import RLConfig, TrainState, rl_optimizer
+from agentrl_jax.sharding import StepShardings
 
 log = logging.getLogger(__name__)
 
@@ -398,10 +399,17 @@ def make_update_fn(
     rl_cfg: RLConfig,
     policy: DTypePolicy | None = None,
     sampling_meta: Any = None,
+    shardings: StepShardings | None = None,
 ) -> UpdateFn:
     """The jitted ``update_fn(state, batch, rng=None) -> (state, metrics)`` (state donated):
-    ``jax.jit`` of :func:`make_update`."""
-    return jax.jit(make_update(model, rl_cfg, policy, sampling_meta), donate_argnums=(0,))
+    ``jax.jit`` of :func:`make_update`; with ``shardings`` (``sharding.StepShardings``) one
+    program over the mesh with explicit in/out shardings (state sharded by the rules, batch
+    rows over the batch axes, rng and metrics replicated)."""
+    update = make_update(model, rl_cfg, policy, sampling_meta)
+    if shardings is None:
+        return jax.jit(update, donate_argnums=(0,))
+    step = shardings.jit(update, n_rest=1)
+    return lambda state, batch, rng=None: step(state, batch, rng)
 
 
 def make_update(

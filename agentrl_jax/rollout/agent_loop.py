@@ -238,7 +238,8 @@ class AgentLoop:
         env = self.env_factory()
         prompt = list(env.reset(self.tasks[task_index]))
         gid = task_index if self.group_ids is None else int(self.group_ids[task_index])
-        rec = EpisodeRecord(uid=task_index, task_index=task_index, group_id=gid)
+        uid = task_index + self.options.first_uid  # sampling keys and log rows use it
+        rec = EpisodeRecord(uid=uid, task_index=task_index, group_id=gid)
         if self.route_shape is not None:
             rec.routes = np.zeros((self.cap, *self.route_shape), np.int32)
         rec.extend(prompt[: self.cap], action=False, turn=0)
@@ -478,8 +479,8 @@ def run_episodes(
 
     Arguments are :class:`AgentLoop`'s; ``option_fields`` (``n_slots=``, ``max_turns=``,
     ``max_tokens=``, ``continuous=``, ``n_pages=``, ``page_budget=``, ``goal_every=``,
-    ``process_weights=``, ``eviction=``, ``log_path=``, ``disaggregate=``) override fields of
-    ``options`` (default ``LoopOptions()``).
+    ``process_weights=``, ``eviction=``, ``log_path=``, ``disaggregate=``, ``first_uid=``)
+    override fields of ``options`` (default ``LoopOptions()``).
 
     Returns:
       The :class:`Trajectory`, padded to the longest episode rounded up to the decode chunk.

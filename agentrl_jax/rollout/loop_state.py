@@ -43,9 +43,13 @@ class LoopOptions:
       disaggregate: prefill and decode on separate device sub-meshes
         (``rollout/disaggregation.py``).
       log_path: if given, the per-turn records are appended there as JSONL.
+      first_uid: episode id of the first task (task ``i`` samples with keys folded from
+        ``first_uid + i``, also its log rows' ``episode``): a process playing tasks
+        ``lo..hi-1`` of a longer list passes ``lo`` and samples what one process playing the
+        whole list would (>= 0).
 
     Raises:
-      ValueError: ``n_slots`` < 1, ``max_turns`` < 1 or ``goal_every`` < 0.
+      ValueError: ``n_slots`` < 1, ``max_turns`` < 1, ``goal_every`` < 0 or ``first_uid`` < 0.
     """
 
     n_slots: int | None = None
@@ -59,6 +63,7 @@ class LoopOptions:
     eviction: EvictionConfig | None = None
     disaggregate: Disaggregation | None = None
     log_path: str | None = None
+    first_uid: int = 0
 
     def __post_init__(self):
         if self.n_slots is not None and self.n_slots < 1:
@@ -67,6 +72,8 @@ class LoopOptions:
             raise ValueError(f"max_turns={self.max_turns} must be >= 1")
         if self.goal_every < 0:
             raise ValueError(f"LoopOptions.goal_every={self.goal_every} must be >= 0")
+        if self.first_uid < 0:
+            raise ValueError(f"LoopOptions.first_uid={self.first_uid} must be >= 0")
         weights = self.process_weights
         if isinstance(weights, Mapping) or weights is None:
             weights = (weights or {}).items()

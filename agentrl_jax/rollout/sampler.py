@@ -51,6 +51,7 @@ import numpy as np
 from agentrl_jax.model.chunked import NEVER, fixed_order_logprobs
 from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache
 from agentrl_jax.rollout import slots
+from agentrl_jax.rollout.cache_sharding import place_decode_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +240,8 @@ class Sampler:
     def init_state(
         self, batch: int, n_pages: int | None = None, *, track_mass: bool = False
     ) -> DecodeState:
-        """Empty state of ``batch`` slots (shared pool of ``n_pages`` pages if given).
+        """Empty state of ``batch`` slots (shared pool of ``n_pages`` pages if given), placed
+        on the ambient mesh if there is one (``rollout.cache_sharding``).
 
         ``track_mass``: F/D layers accumulate the attention mass each cached position gets
         (:meth:`attention_mass`, needed by KV eviction; decode then uses the chunk path).
@@ -253,12 +255,14 @@ class Sampler:
                 layer = {**layer, "mass": jnp.zeros((layer["k"].shape[0], batch, spec.max_len))}
             layers[name] = layer
         cache["layers"] = layers
-        return DecodeState(
+        state = DecodeState(
             cache=cache,
             logits=jnp.zeros((batch, self.model.cfg.vocab_size), jnp.float32),
             evict_at=jnp.full((batch, self.cfg.max_len), NEVER, jnp.int32),
             int8_at=jnp.full((batch, self.cfg.max_len), NEVER, jnp.int32),
         )
+        # Under an ambient mesh: slots over data, KV heads over tensor (``cache_sharding``).
+        return place_decode_state(state)
 
     @property
     def n_paged_layers(self) -> int:

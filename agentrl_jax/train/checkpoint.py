@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from agentrl_jax import multihost
 from agentrl_jax.train.checksum import mismatches, tree_checksums
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,8 @@ class Checkpointer:
             create=not read_only,
             cleanup_tmp_directories=resume and not read_only,
         )
-        self._mngr = ocp.CheckpointManager(self.directory, options=options)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
@@ -272,14 +274,15 @@ class Checkpointer:
             "rng": jax.ShapeDtypeStruct(_key_shape(rng_impl), np.uint32),
             "step": jax.ShapeDtypeStruct((), np.int64),
         }
-        if opt_state is None:  # params only: read everything as saved, keep the params
-            template = {k: v for k, v in template.items() if k != "opt_state"}
-            restore_args = ocp.args.StandardRestore()
-        else:
-            restore_args = ocp.args.StandardRestore(_abstract(template, saved, where))
         if saved is not None and opt_state is None:
             _abstract(template, saved, where)  # checks the params' shapes against the saved ones
         try:
+            if opt_state is None:  # params only: read everything onto this process's first
+                # device (whatever mesh wrote it), keep the params
+                template = {k: v for k, v in template.items() if k != "opt_state"}
+                restore_args = ocp.args.StandardRestore(self._as_saved(step))
+            else:
+                restore_args = ocp.args.StandardRestore(_abstract(template, saved, where))
             state = self._mngr.restore(step, args=ocp.args.Composite(state=restore_args))["state"]
         except Exception as e:  # noqa: BLE001 - truncated/missing files raise anything
             _quiet_reads_of_a_failed_restore()
@@ -303,20 +306,35 @@ class Checkpointer:
             "meta": meta,
         }
 
+    def _as_saved(self, step: int):
+        """The saved ``state`` tree of ``step`` as restore targets: its device arrays on this
+        process's first device (whatever mesh wrote them), its host arrays as host arrays."""
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+        def target(x):
+            if x.sharding is None:  # saved from numpy (rng data, step)
+                return np.zeros(x.shape, x.dtype)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
+
+        return jax.tree.map(target, self._mngr.item_metadata(step)["state"])
+
     def _set_aside(self, steps: list[int]) -> list[str]:
-        """Moves ``steps`` to ``<checkpoints>/unusable/<stage>-<step>[-k]``; returns the paths."""
-        stage = os.path.basename(self.directory)
-        target = os.path.join(os.path.dirname(self.directory), UNUSABLE_DIR)
-        os.makedirs(target, exist_ok=True)
+        """Moves ``steps`` to ``<checkpoints>/unusable/<stage>-<step>[-k]``; returns the paths.
+        On a multi-process run process 0 moves them while the others wait."""
         moved = []
-        for s in steps:
-            dest = os.path.join(target, f"{stage}-{s}")
-            k = 0
-            while os.path.exists(dest if k == 0 else f"{dest}-{k}"):
-                k += 1
-            dest = dest if k == 0 else f"{dest}-{k}"
-            os.rename(os.path.join(self.directory, str(s)), dest)
-            moved.append(dest)
+        if multihost.is_primary():
+            stage = os.path.basename(self.directory)
+            target = os.path.join(os.path.dirname(self.directory), UNUSABLE_DIR)
+            os.makedirs(target, exist_ok=True)
+            for s in steps:
+                dest = os.path.join(target, f"{stage}-{s}")
+                k = 0
+                while os.path.exists(dest if k == 0 else f"{dest}-{k}"):
+                    k += 1
+                dest = dest if k == 0 else f"{dest}-{k}"
+                os.rename(os.path.join(self.directory, str(s)), dest)
+                moved.append(dest)
+        moved = multihost.broadcast_object(moved)
         self._mngr.reload()
         return moved
 
@@ -349,6 +367,11 @@ def _abstract(template: dict, saved: dict | None, where: str) -> Any:
     out = []
     for path, x in leaves:
         shape, dtype = tuple(np.shape(x)), np.dtype(x.dtype)
+        # A template sharded over several devices (or processes) restores each device's shard
+        # where it is; others restore as orbax reads them (single-device runs as before).
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None and len(sharding.device_set) == 1:
+            sharding = None
         if saved is not None:
             key = jax.tree_util.keystr(path)
             if key not in saved:
@@ -359,7 +382,7 @@ def _abstract(template: dict, saved: dict | None, where: str) -> Any:
                     f"gives {shape}: it was saved by another config"
                 )
             dtype = np.dtype(saved[key]["dtype"])
-        out.append(jax.ShapeDtypeStruct(shape, dtype))
+        out.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -370,7 +393,9 @@ def _cast_like(tree: Any, template: Any) -> Any:
 
     def cast(x, t):
         dtype = np.dtype(t.dtype)
-        return x if np.dtype(x.dtype) == dtype else np.asarray(x).astype(dtype)
+        if np.dtype(x.dtype) == dtype:
+            return x
+        return x.astype(dtype) if isinstance(x, jax.Array) else np.asarray(x).astype(dtype)
 
     return jax.tree.map(cast, tree, template)
 

@@ -34,12 +34,11 @@ import numpy as np
 
 from agentrl_jax.metrics import JsonlWriter, memory_metrics
 from agentrl_jax.model.transformer import Transformer
-from agentrl_jax.precision import get_policy
 from agentrl_jax.rl.advantages import get_advantage
 from agentrl_jax.rl.attention_credit import attention_credit_mass
 from agentrl_jax.rl.credit import CreditInputs
 from agentrl_jax.rl.fallback import FallbackController
-from agentrl_jax.rl.state import init_train_state
+from agentrl_jax.rl.state import rl_optimizer
 from agentrl_jax.rl.update import make_update_fn
 from agentrl_jax.rollout.agent_loop import run_episodes
 from agentrl_jax.rollout.kv_cache import kv_bytes_per_seq
@@ -47,6 +46,7 @@ from agentrl_jax.rollout.trajectory import Rows, concat_rows, history_state_ids,
 from agentrl_jax.train import critic, reference
 from agentrl_jax.train.checkpoint import Checkpointer, stage_dir
 from agentrl_jax.train.guidance import Guidance
+from agentrl_jax.train.placement import Placement, play_sharded
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +190,7 @@ class RLRun:
         (newer unusable ones are set aside: ``Checkpointer.restore``).
       attempt: the process's attempt at the run (``train/runs.py``), written into every
         ``tool_calls.jsonl`` row.
+      placement: the run's mesh (``train/placement.py``; default: the default device).
 
     Raises:
       ValueError: ``resume`` and no RL checkpoint of the run is intact, or the checkpoint does
@@ -197,7 +198,15 @@ class RLRun:
     """
 
     def __init__(
-        self, sections, run_dir: str, params, *, seed: int, resume: bool, attempt: int = 1
+        self,
+        sections,
+        run_dir: str,
+        params,
+        *,
+        seed: int,
+        resume: bool,
+        attempt: int = 1,
+        placement: Placement | None = None,
     ):
         from agentrl_jax.data.pipeline import TaskPipeline
 
@@ -211,14 +220,19 @@ class RLRun:
         kwargs = self.loop.advantage_kwargs
         self.advantage_fn = jax.jit(lambda inputs: advantage(inputs, **kwargs))
         self.batch_size = s.data.batch_size * s.data.group_size
+        self.placement = placement or Placement.default_device(s.model, s.policy)  # mesh hook
+        tx = rl_optimizer(s.rl)
+        shard = self.placement.step_shardings(tx, self.batch_size)
         self.controller = FallbackController(
-            lambda p: make_update_fn(Transformer(s.model, p), s.rl, p, s.rollout), s.rl, s.policy
+            lambda p: make_update_fn(Transformer(s.model, p), s.rl, p, s.rollout, shard),
+            s.rl,
+            s.policy,
         )
         self.ckpt = Checkpointer(stage_dir(run_dir, "rl"), resume=resume, max_to_keep=2)
         key = jax.random.key(seed)
         self.rollout_key = jax.random.fold_in(key, 1)
-        self.state = init_train_state(
-            jax.tree.map(jnp.copy, params), s.rl, jax.random.fold_in(key, 2)
+        self.state = self.placement.init_state(
+            jax.tree.map(jnp.copy, params), s.rl, jax.random.fold_in(key, 2), tx
         )
         # KL to the reference policy (loss.kl_coef > 0): the parameters RL started from (the SFT
         # checkpoint), frozen; their teacher-forced logprobs of each batch go in as ref_logprobs.
@@ -232,6 +246,7 @@ class RLRun:
         self._log_step = 0  # the metrics step of the iteration running (tool-call rows)
         if resume and self.ckpt.latest_step() is not None:
             self._restore()
+            self.state = self.placement.place_state(self.state, tx)
 
     # checkpoints -------------------------------------------------------------------------------
     def save(self, step: int) -> None:
@@ -268,7 +283,7 @@ class RLRun:
         )
         fb = meta["fallback"]
         c = self.controller
-        c.active = get_policy(fb["active"]) if fb["active"] != c.primary.name else c.primary
+        c.active = c.fallback if fb["active"] != c.primary.name else c.primary
         c.consecutive, c.remaining, c.calls = fb["consecutive"], fb["remaining"], fb["calls"]
         self.start_step = out["step"]
         log.info("resumed RL from step %d of %s", self.start_step, self.run_dir)
@@ -277,10 +292,12 @@ class RLRun:
     def step(self, step: int) -> dict[str, float]:
         """One RL iteration (module docstring); returns its metrics."""
         self._log_step = step + 1
-        collected = self.collect(step)
-        batch = self.score(collected.batch)
+        with self.placement.host_context():
+            collected = self.collect(step)
+            batch = self.score(collected.batch)
         t1 = time.perf_counter()
-        self.state, metrics = self.controller(self.state, update_batch(batch), None)
+        update_in = self.placement.place_batch(update_batch(batch))
+        self.state, metrics = self.controller(self.state, update_in, None)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         return self.metrics(metrics, collected, batch, time.perf_counter() - t1)
 
@@ -339,24 +356,32 @@ class RLRun:
 
     def play(self, tasks: list, k: int, key, greedy: np.ndarray):
         """``k`` episodes of the current policy per task (group ``i`` = task ``i``), counted in
-        the rejected-call rate and logged to ``tool_calls.jsonl`` (with step and attempt)."""
-        traj = run_episodes(
-            Transformer(self.model_cfg, self.controller.active),
-            self.state.params,
-            [t for t in tasks for _ in range(k)],
-            lambda: self.env.env(self.tokenizer),
-            self.tokenizer,
-            self.sampling,
-            key,
-            # One slot count for every call: fewer tasks (a refill round, a guide batch) leave
-            # slots idle instead of compiling the sampler for another batch shape.
-            n_slots=self.batch_size,
-            max_turns=self.loop.max_turns,
-            process_weights=self.loop.process_weights,
-            group_ids=[i for i in range(len(tasks)) for _ in range(k)],
-            greedy=[bool(x) for x in greedy],
-        )
-        if self.loop.log_tool_calls:
+        the rejected-call rate and logged to ``tool_calls.jsonl`` (with step and attempt). With
+        several processes each plays its block of the episodes (``placement.play_sharded``)."""
+        episodes = [t for t in tasks for _ in range(k)]
+        groups = [i for i in range(len(tasks)) for _ in range(k)]
+
+        def play_block(lo: int, hi: int):
+            return run_episodes(
+                Transformer(self.model_cfg, self.controller.active),
+                self.placement.host_params(self.state.params),
+                episodes[lo:hi],
+                lambda: self.env.env(self.tokenizer),
+                self.tokenizer,
+                self.sampling,
+                key,
+                # One slot count for every call: fewer tasks (a refill round, a guide batch) leave
+                # slots idle instead of compiling the sampler for another batch shape.
+                n_slots=self.batch_size,
+                max_turns=self.loop.max_turns,
+                process_weights=self.loop.process_weights,
+                group_ids=groups[lo:hi],
+                greedy=[bool(x) for x in greedy[lo:hi]],
+                first_uid=lo,
+            )
+
+        traj = play_sharded(play_block, len(episodes))
+        if self.loop.log_tool_calls and self.placement.primary:
             with JsonlWriter(os.path.join(self.run_dir, TOOL_CALLS_FILE)) as f:
                 for row in traj.logs:
                     f.write({"step": self._log_step, "attempt": self.attempt, **row})
@@ -368,7 +393,7 @@ class RLRun:
         """The batch with ``advantages`` (and the critic's ``old_values`` / ``value_targets``,
         the reference's ``ref_logprobs``, guides' logprobs) filled in by teacher-forced passes
         of the current (or reference) parameters."""
-        policy, params = self.controller.active, self.state.params
+        policy, params = self.controller.active, self.placement.host_params(self.state.params)
         dev = {k: jnp.asarray(batch[k]) for k in ("tokens", "valid", "action_mask", "turn_ids")}
         guided = np.nonzero(batch["guided"])[0]
         if len(guided):  # the expert's tokens under the current policy: ratio 1 at epoch one
@@ -402,9 +427,8 @@ class RLRun:
             batch["old_values"] = np.asarray(values)
             batch["value_targets"] = np.asarray(self._value_targets(inputs))
         if self.ref_params is not None:
-            batch["ref_logprobs"] = self._logprobs(
-                policy, self.ref_params, dev["tokens"], dev["valid"]
-            )
+            ref = self.placement.host_params(self.ref_params)
+            batch["ref_logprobs"] = self._logprobs(policy, ref, dev["tokens"], dev["valid"])
         return batch
 
     def _attention_mass(self, policy, params, tokens, valid, action_mask, turn_ids):

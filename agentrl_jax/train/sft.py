@@ -18,7 +18,8 @@ Metrics per step: ``loss``, ``action_nll``, ``lm_nll``, ``action_acc`` (argmax a
 action tokens), ``fix_acc`` (on the action tokens of ``edit``/``sub`` turns), ``turn_exact`` /
 ``fix_turn_exact`` (fraction of whole turns whose every token is the argmax: the teacher-forced
 proxy of greedy success), ``grad_norm``, ``lr``, ``tokens_per_s``, ``steps_per_s`` and
-``cpu_s_per_step`` (process CPU time: the honest cost on a shared machine).
+``cpu_s_per_step`` (process CPU time: the honest cost on a shared machine), and where the backend
+reports device memory ``peak_device_memory_bytes`` / ``_fraction`` (a warning at 85%).
 
 Curriculum: the first ``curriculum_fraction`` of the steps draws demonstrations from
 ``curriculum_difficulties`` (e.g. easy level 0), cropped to ``curriculum_crop_len`` tokens ending
@@ -44,13 +45,15 @@ import optax
 
 from agentrl_jax.data import DataConfig
 from agentrl_jax.envs.registry import EnvSpec, as_env
-from agentrl_jax.metrics import MetricsWriter, ProgressBar
+from agentrl_jax.metrics import MetricsWriter, ProgressBar, memory_metrics
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import DTypePolicy, get_policy
-from agentrl_jax.rl.state import TrainState, init_train_state, make_optimizer
+from agentrl_jax.rl.state import TrainState, make_optimizer
+from agentrl_jax.sharding import StepShardings
 from agentrl_jax.train.checkpoint import Checkpointer, stage_dir
 from agentrl_jax.train.demos import DemoSource, DemoStream
+from agentrl_jax.train.placement import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -233,10 +236,18 @@ def sft_loss(
     return loss, metrics
 
 
-def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, lm_weight: float):
+def make_train_step(
+    model: Transformer,
+    optimizer: optax.GradientTransformation,
+    lm_weight: float,
+    shardings: StepShardings | None = None,
+):
     """The jitted ``train_step(state, batch) -> (state, metrics)`` (``TrainState`` donated).
 
-    ``batch`` holds the ``pad_batch`` arrays; one compile per bucket length.
+    ``batch`` holds the ``pad_batch`` arrays; one compile per bucket length. With
+    ``shardings`` the step is jitted with them (``StepShardings.jit``): parameters, gradients and
+    optimiser state sharded by the logical rules, batch rows over the batch axes, metrics
+    replicated; without, plain ``jax.jit`` on the default device.
     """
 
     def loss_fn(params, batch):
@@ -254,6 +265,8 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
         metrics["grad_norm"] = optax.global_norm(grads)
         return state._replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
+    if shardings is not None:
+        return shardings.jit(train_step)
     return jax.jit(train_step, donate_argnums=(0,))
 
 
@@ -306,12 +319,18 @@ class _StepLog:
         # CPU seconds per step (all threads): on a shared machine, wall time / step overstates
         # the cost; this is what an idle machine would need (divided by cores).
         out["cpu_s_per_step"] = (cpu - self.cpu) / self.n
+        # device memory where the backend reports it (warns at the 85% watermark)
+        memory = memory_metrics()
+        for key in ("peak_device_memory_bytes", "peak_device_memory_fraction"):
+            if memory[key] is not None:
+                out[key] = memory[key]
         self.acc, self.n, self.tokens, self.t, self.cpu = {}, 0, 0, now, cpu
         return out
 
 
 def _restore(ckpt: Checkpointer, state: TrainState, streams: dict) -> tuple[TrainState, int]:
-    """The latest SFT checkpoint's state and the streams' positions; returns ``(state, step)``."""
+    """The latest SFT checkpoint's state and the streams' positions; returns ``(state, step)``
+    (the restored arrays placed like ``state``'s)."""
     out = ckpt.restore(params=state.params, opt_state=state.opt_state, set_aside=True)
     start = out["step"]
     state = state._replace(
@@ -339,6 +358,7 @@ def run_sft(
     resume: bool = False,
     writer: MetricsWriter | None = None,
     progress: bool | None = None,
+    placement: Placement | None = None,
 ) -> tuple[Any, dict[str, float]]:
     """Runs the SFT stage; returns ``(params, final metrics)``.
 
@@ -355,6 +375,9 @@ def run_sft(
         error: a checkpoint is never overwritten silently).
       writer: metrics writer to share with the caller (default: a new one on ``run_dir``).
       progress: force the progress bar on/off (default: on for a TTY).
+      placement: the run's mesh (``train/placement.py``): parameters and optimiser state
+        sharded, batches split over the batch axes, one jitted step over the mesh; on a
+        multi-process run only process 0 writes metrics. Default: the default device.
 
     Returns:
       ``(params, metrics)``: metrics of the last logged step plus ``sft/wall_s``, ``sft/steps``,
@@ -368,20 +391,23 @@ def run_sft(
     if model_cfg.vocab_size < vocab:
         raise ValueError(f"model vocab_size={model_cfg.vocab_size} must be >= {vocab}")
     model = Transformer(model_cfg, get_policy(policy))
+    place = placement or Placement.default_device(model_cfg, model.policy)
     ckpt = Checkpointer(stage_dir(run_dir, "sft"), resume=resume, max_to_keep=cfg.max_to_keep)
     optimizer = sft_optimizer(cfg)
     rng = jax.random.key(cfg.seed)
     if params is None:
         params = init_params(model, jax.random.fold_in(rng, 0))
-    state = init_train_state(params, None, rng, tx=optimizer)
+    state = place.init_state(params, None, rng, optimizer)
     streams = _streams(cfg, env, data)
     start = 0
     if resume and ckpt.latest_step() is not None:
         state, start = _restore(ckpt, state, streams)
+        state = place.place_state(state, optimizer)
 
     own_writer = writer is None
-    writer = MetricsWriter(run_dir) if own_writer else writer
-    step_fn = make_train_step(model, optimizer, cfg.lm_weight)
+    writer = MetricsWriter(run_dir, enabled=place.primary) if own_writer else writer
+    shardings = place.step_shardings(optimizer, cfg.batch_size)
+    step_fn = make_train_step(model, optimizer, cfg.lm_weight, shardings)
     save = lambda step: ckpt.save(  # noqa: E731
         step,
         params=state.params,
@@ -392,11 +418,12 @@ def run_sft(
     last: dict[str, float] = {}
     log = _StepLog(cfg)
     t0 = time.perf_counter()
+    progress = progress if place.primary else False  # one bar: process 0's
     bar = ProgressBar(cfg.steps, desc="sft", initial=start, enabled=progress)
     try:
         for step in range(start, cfg.steps):
             batch = streams["curriculum" if step < cfg.curriculum_steps else "main"].next_batch()
-            state, metrics = step_fn(state, batch)
+            state, metrics = step_fn(state, place.place_batch(batch))
             log.add(metrics, batch["tokens"].size)
             done = step + 1
             if done % cfg.log_every == 0 or done == cfg.steps:

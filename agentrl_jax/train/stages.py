@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from agentrl_jax import multihost
 from agentrl_jax.config import ConfigDict
 from agentrl_jax.hf import load_pretrained
 from agentrl_jax.metrics import MetricsWriter, load_config_json, plain
@@ -25,6 +26,7 @@ from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.train.checkpoint import restore_params, stage_dir
 from agentrl_jax.train.eval_stats import paired_gain
 from agentrl_jax.train.evaluate import evaluate_split
+from agentrl_jax.train.placement import Placement
 from agentrl_jax.train.sft import run_sft
 
 log = logging.getLogger(__name__)
@@ -38,18 +40,25 @@ def start_params(
     resume: bool,
     writer: MetricsWriter | None = None,
     progress: bool | None = None,
+    placement: Placement | None = None,
 ):
     """The parameters RL starts from: SFT (``train.sft``; continued from its checkpoint when
     ``resume`` and one exists), else ``train.init_from``, else ``init_params`` with ``seed``.
-    With ``init.hf_path`` the pretrained parameters are where SFT starts, or RL without SFT."""
+    With ``init.hf_path`` the pretrained parameters are where SFT starts, or RL without SFT.
+    With ``placement`` they come back placed on its mesh (sharded by the rules)."""
     s = sections
+    place = placement or Placement.default_device(s.model, s.policy)
     model = Transformer(s.model, s.policy)
     pretrained = None
     if s.init.hf_path:
-        _, pretrained = load_pretrained(s.init.hf_path, s.policy)
+        mesh = place.mesh if place.sharded else None
+        _, pretrained = load_pretrained(s.init.hf_path, s.policy, mesh, mesh_cfg=s.mesh)
     if s.train.sft:
         sft_dir = stage_dir(run_dir, "sft")
-        done = resume and os.path.isdir(sft_dir) and os.listdir(sft_dir)
+        # process 0's view: the others must not race its clean-up of a killed save
+        done = multihost.broadcast_object(
+            bool(resume and os.path.isdir(sft_dir) and os.listdir(sft_dir))
+        )
         params, _ = run_sft(
             s.model,
             s.policy,
@@ -61,14 +70,15 @@ def start_params(
             resume=bool(done),
             writer=writer,
             progress=progress,
+            placement=place,
         )
         return params
     if pretrained is not None:
-        return pretrained
+        return place.place_params(pretrained)
     template = init_params(model, jax.random.key(seed))
     if s.train.init_from:
-        return initial_params(s.train.init_from, template)
-    return template
+        return place.place_params(initial_params(s.train.init_from, template))
+    return place.place_params(template)
 
 
 def initial_params(source: str, template):
@@ -96,12 +106,17 @@ def initial_params(source: str, template):
         return {**params, "params": {**params["params"], "value_head": head}}
 
 
-def evaluate_run(sections, params) -> dict[str, Any]:
+def evaluate_run(sections, params, placement: Placement | None = None) -> dict[str, Any]:
     """``evaluate_split`` of ``params`` under the run's ``eval`` section (its ``data`` section
-    picks the ``"train"`` split's tasks)."""
+    picks the ``"train"`` split's tasks). With ``placement`` the episodes run under its host
+    context (the run's mesh; with several processes each evaluates on its local copy)."""
     s = sections
     model = Transformer(s.model, s.policy)
-    return evaluate_split(model, params, s.eval, env=s.env, data=s.data)
+    if placement is None:
+        return evaluate_split(model, params, s.eval, env=s.env, data=s.data)
+    with placement.host_context():
+        local = placement.host_params(params)
+        return evaluate_split(model, local, s.eval, env=s.env, data=s.data)
 
 
 def main_mode(result: dict) -> str:
@@ -127,14 +142,20 @@ def eval_metrics(result: dict) -> dict[str, float]:
 
 
 def before_rl(
-    cfg: ConfigDict, sections, params, prior: dict, writer: MetricsWriter, summary_path: str
+    cfg: ConfigDict,
+    sections,
+    params,
+    prior: dict,
+    writer: MetricsWriter,
+    summary_path: str,
+    placement: Placement | None = None,
 ) -> None:
     """Fills ``prior`` (the summary so far) with the before-RL evaluation: run it
     (``train.eval_before``; written to the metrics at step 0), or reuse the ``init_from`` run's
     stored one (``eval_before_from``); nothing when ``prior`` already has it (a resume)."""
     loop = sections.train
     if loop.eval_before and "heldout_success_before_rl" not in prior:
-        before = evaluate_run(sections, params)
+        before = evaluate_run(sections, params, placement)
         writer.write(0, eval_metrics(before), prefix="eval")
         log.info("held-out before RL: %s", json.dumps(before))
     elif not loop.eval_before and loop.init_from and "eval_before" not in prior:
@@ -240,7 +261,10 @@ def summary(
 
 
 def dump_json(path: str, obj: dict) -> None:
-    """Writes ``obj`` as JSON atomically (temp file + rename)."""
+    """Writes ``obj`` as JSON atomically (temp file + rename); on a multi-process run only
+    process 0 writes (the others hold the same ``obj``)."""
+    if not multihost.is_primary():
+        return
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, default=float)
