@@ -15,8 +15,17 @@ decode feeds one row per step to a model built with ``decode_kernel=True``, so F
 through ``agentrl_jax.kernels.paged_decode_attention`` (impl from ``policy.kernel_impl``: XLA on
 CPU, Pallas on GPU/TPU) reading the page pool and block tables directly; S layers keep their ring
 buffers. Tokens and logprobs equal the chunk path's up to fp32 reduction order (tested). When
-the state tracks attention mass for KV eviction (``init_state(track_mass=True)``) decode uses
-the chunk path (the kernel returns no probabilities). Parity policies always use the chunk path.
+the state tracks attention mass for KV eviction (``init_state(track_mass=True)``) or has an int8
+pool, decode uses the chunk path (the kernel returns no probabilities). Parity policies always
+use the chunk path.
+
+int8 pool (``init_state(int8_pages=...)``): F/D layers get a second pool of int8 pages with its
+own block tables (``cache['int8_tables']``, filled by the agent loop); pages whose tokens are all
+int8 are stored there and their float pages freed (``rollout.kv_cache``), with the same numbers.
+
+Block records (``SamplingConfig.record_blocks``): every F layer's block selection of every
+computed token (prefill and decode) is kept in ``DecodeState.blocks`` by position, for the agent
+loop to copy into the trajectory (``Trajectory.sparse_blocks``) and the trainer to replay.
 
 Prefill of a few slots: the agent loop calls :meth:`Sampler.prefill_slots`, which computes only
 the slots with new tokens (a tool output usually arrives for one or a few of them) instead of
@@ -75,6 +84,14 @@ class SamplingConfig:
         threshold, in [0, 1]; 0 disables): the agent loop's default when it is given no
         ``eviction`` (so ``agentrl train`` sets it as ``rollout.eviction_threshold``).
       eviction_int8: with ``eviction_threshold``: move those tokens' K/V to int8 instead.
+      eviction_drop_threshold: with ``eviction_int8``: blocks under this share are evicted
+        rather than moved to int8 (``EvictionConfig.drop_threshold``).
+      n_pages: shared KV page pool of the agent loop when its options give none (None: every
+        slot owns ``max_len`` worth of pages).
+      int8_pages: int8 page pool of the agent loop with int8 eviction and a shared pool, when
+        its options give none (None: ``n_pages``).
+      record_blocks: record every F layer's sparse block selection per token
+        (``Trajectory.sparse_blocks``; replayed by the trainer with ``rl.use_block_replay``).
     """
 
     temperature: float = 1.0
@@ -90,6 +107,10 @@ class SamplingConfig:
     decode_kernel: bool = True
     eviction_threshold: float = 0.0
     eviction_int8: bool = False
+    eviction_drop_threshold: float = 0.0
+    n_pages: int | None = None
+    int8_pages: int | None = None
+    record_blocks: bool = False
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -100,8 +121,10 @@ class SamplingConfig:
             v = getattr(self, field)
             if not isinstance(v, int) or v < lo:
                 raise ValueError(f"SamplingConfig.{field}={v!r} must be an int >= {lo}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ValueError(f"SamplingConfig.prefill_chunk={self.prefill_chunk} must be >= 1")
+        for field in ("prefill_chunk", "n_pages", "int8_pages"):
+            v = getattr(self, field)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"SamplingConfig.{field}={v!r} must be None or an int >= 1")
         if self.max_len < self.chunk or self.max_len % self.page_size:
             raise ValueError(
                 f"SamplingConfig.max_len={self.max_len} must be >= chunk={self.chunk} and a "
@@ -131,12 +154,15 @@ class DecodeState(NamedTuple):
         is no longer visible in full/sparse layers (``int32 max`` = never evicted).
       int8_at: int32 [B, S] per cached position, the chunk-aligned position from which its K/V
         in full/sparse layers are int8 (``int32 max`` = never; see ``model.attention``).
+      blocks: int32 [B, S, L_F, K, n_sel] block selection of the token at each position, per F
+        layer and kv head (-1 unused), or None (``record_blocks`` off).
     """
 
     cache: dict
     logits: jax.Array
     evict_at: jax.Array
     int8_at: jax.Array
+    blocks: jax.Array | None = None
 
 
 class DecodeOut(NamedTuple):
@@ -224,11 +250,15 @@ class Sampler:
                 f"SamplingConfig.page_size={cfg.page_size} must be a multiple of "
                 f"sparse_block_size={mcfg.sparse_block_size}"
             )
-        self.model, self.cfg = model, cfg
+        record = cfg.record_blocks and "F" in mcfg.layer_pattern
+        self.model = model.clone(record_blocks=True) if record else model
+        self.cfg = cfg
         self.prefill_rows = cfg.prefill_rows(model.policy.parity)
         self.is_moe = mcfg.is_moe
         self.kernel_decode = cfg.decode_kernel and not model.policy.parity
-        self.decode_model = Transformer(mcfg, model.policy, decode_kernel=True)
+        self.decode_model = Transformer(
+            mcfg, model.policy, decode_kernel=True, record_blocks=record
+        )
         self.prefill = jax.jit(self._prefill, donate_argnums=1)
         self.prefill_rows_of = jax.jit(self._prefill_rows_of, donate_argnums=1)
         copy = functools.partial(slots.copy_slots, pattern=mcfg.layer_pattern)
@@ -237,14 +267,20 @@ class Sampler:
 
     # State ----------------------------------------------------------------------------------
     def init_state(
-        self, batch: int, n_pages: int | None = None, *, track_mass: bool = False
+        self,
+        batch: int,
+        n_pages: int | None = None,
+        *,
+        track_mass: bool = False,
+        int8_pages: int = 0,
     ) -> DecodeState:
         """Empty state of ``batch`` slots (shared pool of ``n_pages`` pages if given).
 
         ``track_mass``: F/D layers accumulate the attention mass each cached position gets
         (:meth:`attention_mass`, needed by KV eviction; decode then uses the chunk path).
+        ``int8_pages``: F/D layers get an int8 pool of that many pages (module docstring).
         """
-        spec = CacheSpec(batch, self.cfg.max_len, self.cfg.page_size, n_pages)
+        spec = CacheSpec(batch, self.cfg.max_len, self.cfg.page_size, n_pages, int8_pages)
         cache = init_cache(self.model.cfg, self.model.policy, spec)
         layers = {}
         for name, layer in cache["layers"].items():
@@ -253,11 +289,19 @@ class Sampler:
                 layer = {**layer, "mass": jnp.zeros((layer["k"].shape[0], batch, spec.max_len))}
             layers[name] = layer
         cache["layers"] = layers
+        blocks = None
+        if self.model.record_blocks:
+            mcfg = self.model.cfg
+            n_f = mcfg.layer_counts()["F"]
+            n_sel = min(mcfg.sparse_topk_blocks, spec.max_len // mcfg.sparse_block_size)
+            shape = (batch, spec.max_len, n_f, mcfg.n_kv_heads, n_sel)
+            blocks = jnp.full(shape, -1, jnp.int32)
         return DecodeState(
             cache=cache,
             logits=jnp.zeros((batch, self.model.cfg.vocab_size), jnp.float32),
             evict_at=jnp.full((batch, self.cfg.max_len), NEVER, jnp.int32),
             int8_at=jnp.full((batch, self.cfg.max_len), NEVER, jnp.int32),
+            blocks=blocks,
         )
 
     @property
@@ -265,10 +309,12 @@ class Sampler:
         counts = self.model.cfg.layer_counts()
         return counts["F"] + counts["D"]
 
-    def reset_slots(self, state: DecodeState, mask, block_tables=None) -> DecodeState:
-        """Empties the slots where ``mask`` (bool [B]) is set; optionally new block tables
-        (``slots.reset_slots``)."""
-        return slots.reset_slots(state, mask, block_tables)
+    def reset_slots(
+        self, state: DecodeState, mask, block_tables=None, int8_tables=None
+    ) -> DecodeState:
+        """Empties the slots where ``mask`` (bool [B]) is set; optionally new block tables of
+        the float and int8 pools (``slots.reset_slots``)."""
+        return slots.reset_slots(state, mask, block_tables, int8_tables)
 
     @staticmethod
     def tracks_mass(state: DecodeState) -> bool:
@@ -277,7 +323,9 @@ class Sampler:
 
     def uses_decode_kernel(self, state: DecodeState) -> bool:
         """Whether :meth:`decode` on ``state`` goes through the paged decode kernel."""
-        return self.kernel_decode and not self.tracks_mass(state)
+        return (
+            self.kernel_decode and not self.tracks_mass(state) and "int8_tables" not in state.cache
+        )
 
     @staticmethod
     def attention_mass(state: DecodeState) -> jax.Array:
@@ -314,7 +362,7 @@ class Sampler:
         )
 
         def body(j, carry):
-            cache, last, routes = carry
+            cache, last, routes, blocks = carry
             off = jnp.where(j == 0, 0, first + (j - 1) * cp)  # [B]
             cnt = jnp.where(j == 0, first, cp)
             idx = off[:, None] + jnp.arange(cp)  # [B, Cp]
@@ -327,18 +375,21 @@ class Sampler:
             row = jnp.maximum(n_val - 1, 0)
             lg = jnp.take_along_axis(logits, row[:, None, None], axis=1)[:, 0]
             last = jnp.where((n_val > 0)[:, None], lg, last)
+            bi = jnp.broadcast_to(jnp.arange(b)[:, None], (b, cp))
             if routes is not None:
-                bi = jnp.broadcast_to(jnp.arange(b)[:, None], (b, cp))
                 dst = jnp.where(val, idx, tp + cp)  # invalid rows dropped
                 routes = routes.at[bi, dst].set(extras["routes"], mode="drop")
-            return _strip_keep(cache), last, routes
+            if blocks is not None:  # by absolute position
+                dst = jnp.where(val, start[:, None] + idx, blocks.shape[1])
+                blocks = blocks.at[bi, dst].set(extras["blocks"], mode="drop")
+            return _strip_keep(cache), last, routes, blocks
 
-        cache, last, routes = jax.lax.fori_loop(
-            0, n_chunks, body, (state.cache, state.logits, routes0)
+        cache, last, routes, blocks = jax.lax.fori_loop(
+            0, n_chunks, body, (state.cache, state.logits, routes0, state.blocks)
         )
         if routes is not None:
             routes = routes[:, :tp]
-        return state._replace(cache=cache, logits=last), routes
+        return state._replace(cache=cache, logits=last, blocks=blocks), routes
 
     def _prefill_rows_of(self, params, state: DecodeState, rows, tokens, n_new):
         """:meth:`_prefill` of the slots ``rows`` only: the others are not computed at all.
@@ -466,6 +517,11 @@ class Sampler:
             count = count + live.astype(jnp.int32)
             ended = jnp.any(tok[:, None] == stops[None, :], axis=1) | (count >= budget)
             st = st._replace(cache=_strip_keep(cache), logits=new_logits)
+            if st.blocks is not None:
+                dst = jnp.where(live, pos, st.blocks.shape[1])
+                st = st._replace(
+                    blocks=st.blocks.at[jnp.arange(b), dst].set(extras["blocks"][:, 0], mode="drop")
+                )
             return i + 1, st, live & ~ended, count, out_tok, out_lp, out_rt
 
         _, state, live_end, count, out_tok, out_lp, out_rt = jax.lax.while_loop(cond, body, init)
