@@ -8,9 +8,10 @@ otherwise) and ``agentrl_jax.rl.mismatch.mismatch_metrics`` compares them.
 Keys: bench, variant, policy, kv_option ('full' | 'evict' | 'int8': low-attention finished tool
 outputs evicted, or moved to int8 in the F layers), replay (recorded KV masks replayed in
 training), max_abs_dlogp, mean_abs_dlogp, routing_agreement, n_tokens, evicted_tokens,
-int8_tokens, kv_bytes_ratio (per-turn ``kv_bytes`` summed over turns, over the same sum without
-compression: int8 pages counted as int8 storage, see ``rollout.kv_cache``; eviction's freed
-pages are not counted), decode_kernel (non-parity policies decode through
+int8_tokens, kv_bytes_ratio (KV bytes per cached token: the per-turn ``kv_bytes`` measured on
+the live pools, a shared float pool with an int8 pool of its own, summed over turns and divided
+by the turns' tokens, over the same of the policy's 'full' run; None when 'full' is not measured
+first), decode_kernel (non-parity policies decode through
 ``kernels.paged_decode_attention`` unless ``--no-decode-kernel``; KV eviction runs keep the chunk
 path), backend, devices, jax_version.
 
@@ -34,11 +35,12 @@ from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rl.mismatch import mismatch_metrics
 from agentrl_jax.rollout.agent_loop import run_episodes
-from agentrl_jax.rollout.kv_cache import EvictionConfig, kv_bytes_per_seq
+from agentrl_jax.rollout.kv_cache import EvictionConfig
 from agentrl_jax.rollout.parity import trainer_logprobs
 from agentrl_jax.rollout.sampler import SamplingConfig, get_sampler
 
 MODEL = preset("small-moe-sssf", window=16, d_expert=32, init_std=0.1)
+FULL_KV: dict[str, float] = {}  # policy -> KV bytes per cached token of its 'full' run
 
 
 def measure(policy_name, kv_option, args, params, tok, tasks):
@@ -65,8 +67,13 @@ def measure(policy_name, kv_option, args, params, tok, tasks):
         jax.random.key(1),
         n_slots=args.slots,
         max_turns=args.turns,
+        n_pages=args.slots * cfg.max_len // cfg.page_size,
         eviction=eviction,
     )
+    per_token = sum(r["kv_bytes"] for r in traj.logs) / sum(r["tokens_so_far"] for r in traj.logs)
+    if kv_option == "full":
+        FULL_KV[policy_name] = per_token
+    ratio = per_token / FULL_KV[policy_name] if policy_name in FULL_KV else None
     lines = []
     for replay in (False, True) if eviction is not None else (False,):
         lp, routes = trainer_logprobs(
@@ -97,11 +104,7 @@ def measure(policy_name, kv_option, args, params, tok, tasks):
                 int8_tokens=int(
                     0 if traj.kv_int8_mask is None else np.asarray(traj.kv_int8_mask).sum()
                 ),
-                kv_bytes_ratio=sum(r["kv_bytes"] for r in traj.logs)
-                / sum(
-                    kv_bytes_per_seq(MODEL, policy, r["tokens_so_far"], cfg.page_size)
-                    for r in traj.logs
-                ),
+                kv_bytes_ratio=ratio,
                 model=f"{MODEL.layer_pattern} L{MODEL.n_layers} d{MODEL.d_model} moe",
                 **env_fields(),
             )

@@ -60,6 +60,7 @@ SUITE: dict[str, list[str]] = {
     "update": ["--reps", "3", "--iter-reps", "2"],
     "kernels": ["--reps", "3"],
     "scaling": ["--reps", "3"],
+    "long_context": ["--contexts", "8192", "--reps", "5"],
 }
 REPS_FLAGS: dict[str, tuple[str, ...]] = {
     "compile_depth": ("--reps",),
@@ -69,6 +70,7 @@ REPS_FLAGS: dict[str, tuple[str, ...]] = {
     "update": ("--reps", "--iter-reps"),
     "kernels": ("--reps",),
     "scaling": ("--reps",),
+    "long_context": ("--reps",),
     "rollout_baseline": ("--reps",),
     "update_baseline": ("--reps",),
 }
@@ -112,6 +114,11 @@ COLUMNS: dict[str, str] = {
         "op; impl; pass; seq_len=T; time_ms=ms; tflops_per_s=TFLOP/s; gb_per_s=GB/s; "
         "dpa_time_ms=dot_product_attention ms; speedup_vs_dpa=vs it; "
         "rel_err_vs_reference=rel. err."
+    ),
+    "long_context": (
+        "variant; context; kv_option=KV; policy; kv_device_bytes=KV bytes; "
+        "max_context_in_pool=context in pool; decode_tokens_per_s=decode tok/s; "
+        "sparse_speedup_vs_dense=sparse vs dense; max_abs_dlogp=max abs dlogp"
     ),
     "rollout_baseline": (
         "variant; threads; tokens_per_s=tok/s; decode_tokens_per_s=decode tok/s; "

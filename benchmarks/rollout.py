@@ -7,8 +7,10 @@ full-vocabulary sampling at temperature 1.
 
 Keys: tokens_per_s (prefill + decode), decode_tokens_per_s, prefill_ms, compile_s,
 nocache_tokens_per_s (full forward recomputed every step), speedup_vs_nocache,
-kv_bytes_per_seq and kv_bytes_ratio_vs_dense at 8k context, pool_waste_pages_per_seq (shared
-page pool after the run), policy, chunk, decode_kernel (decode of F/D layers through
+kv_bytes_per_seq and kv_bytes_ratio_vs_dense at 8k context (a one-slot sampler cache of 8k
+tokens: the pages the allocator holds for 8k tokens x the page bytes of the live buffers, plus
+the rings; against the same for an all-``D`` model of the same sizes), pool_waste_pages_per_seq
+(shared page pool after the run), policy, chunk, decode_kernel (decode of F/D layers through
 ``kernels.paged_decode_attention``; non-parity policies only, ``--no-decode-kernel`` measures
 the chunk path), plus bench/variant/backend/devices/jax_version.
 
@@ -29,7 +31,7 @@ from common import NEW, PROMPT, bench_model, env_fields, time_ms
 
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
-from agentrl_jax.rollout.kv_cache import PagePool, dense_kv_bytes, kv_bytes_per_seq
+from agentrl_jax.rollout.kv_cache import KVLayout, PagePool
 from agentrl_jax.rollout.sampler import Sampler, SamplingConfig, sample_tokens, token_keys
 
 
@@ -52,6 +54,17 @@ def nocache_fn(model, cfg: SamplingConfig, batch: int):
         return jax.lax.fori_loop(0, NEW, body, buf)
 
     return run
+
+
+def kv_bytes_8k(mcfg, policy, page_size: int = 16, n_tokens: int = 8192) -> int:
+    """KV bytes one sequence of ``n_tokens`` holds in a sampler cache: its pages in the shared
+    pool x the page bytes of the allocated buffers, plus the per-slot rings."""
+    cfg = SamplingConfig(max_len=n_tokens, page_size=page_size, chunk=4)
+    state = Sampler(Transformer(mcfg, policy), cfg).init_state(1, n_tokens // page_size)
+    pool = PagePool(1, n_tokens // page_size, page_size, n_tokens)
+    pool.ensure(0, n_tokens)
+    layout = KVLayout.from_cache(state.cache, mcfg.layer_pattern)
+    return layout.slot_bytes(pool.owned(0))
 
 
 def bench_one(kind, pattern, batch, args):
@@ -122,9 +135,9 @@ def bench_one(kind, pattern, batch, args):
         **t.fields("total_ms"),
         compile_s=compile_s,
         generated_per_seq=int(np.asarray(gen).shape[1]),
-        kv_bytes_per_seq=kv_bytes_per_seq(mcfg, policy, 8192, cfg.page_size),
-        kv_bytes_ratio_vs_dense=kv_bytes_per_seq(mcfg, policy, 8192, cfg.page_size)
-        / dense_kv_bytes(mcfg, policy, 8192),
+        kv_bytes_per_seq=kv_bytes_8k(mcfg, policy),
+        kv_bytes_ratio_vs_dense=kv_bytes_8k(mcfg, policy)
+        / kv_bytes_8k(mcfg.replace(layer_pattern="D"), policy),
         pool_waste_pages_per_seq=pool.waste_tokens([assert_len] * batch) / batch / cfg.page_size,
     )
     if args.nocache:

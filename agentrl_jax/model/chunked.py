@@ -9,7 +9,8 @@ of a trajectory (``action_mask``, ``advantages``, ``rollout_logprobs``, ...) are
 Parity policies (``policy.parity``) run the teacher-forced pass as a ``lax.scan`` of the
 model's chunk function with the sampler's chunk size, page size and cache capacity
 (:class:`ChunkSpec`), applying recorded KV evictions (``evict_at``) and int8 KV decisions
-(``int8_at``) chunk by chunk; every path takes logprobs with :func:`fixed_order_logprobs`, the
+(``int8_at``) chunk by chunk and, in either path, recorded sparse block selections
+(``replay_blocks``); every path takes logprobs with :func:`fixed_order_logprobs`, the
 sampler's reduction. With the sampler's batch size the recomputed logprobs are bitwise the
 rollout's.
 
@@ -127,6 +128,7 @@ def chunked_logits(
     evict_at: jax.Array | None = None,
     int8_at: jax.Array | None = None,
     replay_routes: jax.Array | None = None,
+    replay_blocks: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
     """Teacher-forced logits as a scan of the chunk function (the sampler's computation).
 
@@ -142,6 +144,7 @@ def chunked_logits(
       evict_at: optional int32 [B, T] recorded eviction positions.
       int8_at: optional int32 [B, T] recorded int8 positions (int32 max = never).
       replay_routes: optional int32 [B, T, L, k].
+      replay_blocks: optional int32 [B, T, L_F, K, n] recorded sparse block selections.
 
     Returns:
       (logits f32 [B, T, V], extras: ``routes`` [B, T, L, k] (MoE), ``values`` [B, T] (value
@@ -157,9 +160,11 @@ def chunked_logits(
     n_chunks = t // c
     cache = init_cache(model.cfg, model.policy, CacheSpec(b, max_len, spec.page_size))
     toks = tokens.reshape(b, n_chunks, c).swapaxes(0, 1)
-    rr = None
+    rr = rb = None
     if replay_routes is not None:
         rr = replay_routes.reshape(b, n_chunks, c, *replay_routes.shape[2:]).swapaxes(0, 1)
+    if replay_blocks is not None:
+        rb = replay_blocks.reshape(b, n_chunks, c, *replay_blocks.shape[2:]).swapaxes(0, 1)
     ev = jnp.full((b, max_len), NEVER, jnp.int32)
     if evict_at is not None:
         ev = ev.at[:, :t].set(evict_at.astype(jnp.int32))
@@ -168,19 +173,24 @@ def chunked_logits(
         i8 = jnp.full((b, max_len), NEVER, jnp.int32).at[:, :t].set(int8_at.astype(jnp.int32))
 
     def step(cache, xs):
-        tok, rep = xs
+        tok, rep, blk = xs
         cache = dict(cache)
         cache["keep"] = cache["lengths"][:, None] < ev
         if i8 is not None:
             cache["int8_at"] = i8
         logits, cache, extras = model.apply(
-            params, tok, cache=cache, valid=jnp.ones((b, c), bool), replay_routes=rep
+            params,
+            tok,
+            cache=cache,
+            valid=jnp.ones((b, c), bool),
+            replay_routes=rep,
+            replay_blocks=blk,
         )
         cache.pop("keep")
         cache.pop("int8_at", None)
         return cache, (logits, extras)
 
-    _, (logits, extras) = jax.lax.scan(step, cache, (toks, rr))
+    _, (logits, extras) = jax.lax.scan(step, cache, (toks, rr, rb))
     logits = logits.swapaxes(0, 1).reshape(b, t, -1)
     return logits, unchunk_extras(extras, t, jnp.mean)
 
@@ -195,6 +205,7 @@ def sequence_logprobs(
     replay_routes: jax.Array | None = None,
     evict_at: jax.Array | None = None,
     int8_at: jax.Array | None = None,
+    replay_blocks: jax.Array | None = None,
     chunk_spec: ChunkSpec | Any | None = None,
     with_entropy: bool = True,
 ) -> tuple[jax.Array, jax.Array | None, dict]:
@@ -210,6 +221,8 @@ def sequence_logprobs(
       replay_routes: int32 [B, T, L, k] routes to force (routing replay), MoE only.
       evict_at: int32 [B, T] recorded KV evictions to replay (parity policies only).
       int8_at: int32 [B, T] recorded int8 KV decisions to replay (parity policies only).
+      replay_blocks: int32 [B, T, L_F, K, n] recorded sparse block selections to replay (both
+        paths).
       chunk_spec: ``ChunkSpec`` (or anything :func:`as_chunk_spec` accepts); required by parity
         policies.
       with_entropy: also return the per-token entropy of the predictive distribution.
@@ -240,11 +253,14 @@ def sequence_logprobs(
             evict_at=evict_at,
             int8_at=int8_at,
             replay_routes=replay_routes,
+            replay_blocks=replay_blocks,
         )
     else:
         if evict_at is not None or int8_at is not None:
             raise ValueError("evict_at / int8_at (KV-mask replay) needs a parity policy")
-        logits, _, extras = model.apply(params, tokens, valid=valid, replay_routes=replay_routes)
+        logits, _, extras = model.apply(
+            params, tokens, valid=valid, replay_routes=replay_routes, replay_blocks=replay_blocks
+        )
     logp = fixed_order_logprobs(logits[:, :-1], tokens[:, 1:])
     entropy = token_entropy(logits[:, :-1]) if with_entropy else None
     return logp, entropy, extras

@@ -39,6 +39,10 @@ class ModelConfig:
       sparse_block_size: key block size B of sparse full attention.
       sparse_topk_tokens: tokens kept per query (``sparse_topk_tokens / sparse_block_size``
         blocks, own block included).
+      sparse_gather: in the cached (chunk) path, F layers keep per-block mean keys and read
+        only their selected blocks' keys and values from the pools, instead of gathering the
+        whole context and masking it (``model.sparse_blocks``); the teacher-forced pass is
+        unchanged.
       d_ff: hidden size of the dense FFN (used when ``n_experts == 0``).
       n_experts: routed experts per MoE layer (0 = dense FFN everywhere).
       experts_per_token: top-k experts per token.
@@ -91,6 +95,7 @@ class ModelConfig:
     window: int = 64
     sparse_block_size: int = 8
     sparse_topk_tokens: int = 64
+    sparse_gather: bool = False
     d_ff: int = 384
     n_experts: int = 0
     experts_per_token: int = 2
@@ -200,6 +205,7 @@ class ModelConfig:
             "router_bias",
             "expert_bias",
             "route_renorm",
+            "sparse_gather",
         ):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r} must be a bool")

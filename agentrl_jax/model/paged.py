@@ -1,22 +1,46 @@
-"""Paged-pool helpers of the chunked attention path: int8 page updates and the decode kernel.
+"""Paged-pool helpers of the chunked attention path: int8 pages, pool reads, the decode kernel.
 
-Legend: B batch, S key time, P pages, L page size, K kv heads, H head dim, N query heads,
-G query heads per kv head.
+Legend: B batch, S key time, P pages, P8 int8 pages, L page size, K kv heads, H head dim,
+N query heads, G query heads per kv head, J logical pages per sequence (max_pages).
 
-See ``model.attention``'s module docstring for the KV compression hooks (``meta['int8_at']``)
-and the decode-kernel path these functions implement.
+int8 pages (``model.attention`` module docstring): a logical page whose tokens are all int8
+(their ``int8_at`` decisions in effect) and which has an int8 page assigned
+(``int8_tables[b, j] >= 0``) is read from the int8 pool: codes int8 [P8, L, K, H] and one f32
+scale per (page, kv head) for keys and for values. The dequantised value
+``(codes.f32 * scale).astype(float dtype)`` is bitwise the value ``kv_quant.fake_quant_pages``
+leaves in the float page, so where a page is read from (its float page, or its int8 page once
+the float page is freed) never changes a number. Pages partly int8 keep their float page (the
+int8 tokens' dequantised values in it).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from agentrl_jax import kernels
-from agentrl_jax.model.kv_quant import fake_quant_pages
+from agentrl_jax.model.kv_quant import fake_quant_pages, quantize_pages
 from agentrl_jax.precision import DTypePolicy
 
 _NEVER = jnp.iinfo(jnp.int32).max  # int8_at of a token never compressed
+
+
+class Int8Pool(NamedTuple):
+    """One paged layer's int8 pool in flat page ids (stacked groups flattened).
+
+    Attributes:
+      k, v: int8 [P8, L, K, H] codes.
+      ks, vs: f32 [P8, K] scales.
+      tables: int32 [B, J] int8 page of each logical page (-1: none), flat ids.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    ks: jax.Array
+    vs: jax.Array
+    tables: jax.Array
 
 
 def int8_page_update(
@@ -26,7 +50,8 @@ def int8_page_update(
     int8_at: jax.Array,
     lengths: jax.Array,
     new_len: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
+    int8: Int8Pool | None = None,
+) -> tuple:
     """Applies the int8 decisions that take effect in this chunk to the paged pools in place.
 
     A token ``p`` with ``lengths[b] <= int8_at[b, p] < new_len[b]`` (its decision position lies
@@ -34,36 +59,124 @@ def int8_page_update(
     ``int8_at < new_len`` (old and new int8 tokens) is replaced by its int8 round trip with the
     page's scale (``kv_quant.fake_quant_pages``); other pages are untouched. Exactly one chunk of
     a sequence contains a given position, so each decision is applied once, in the rollout as in
-    the trainer's chunked pass (which is what makes replay bitwise). Skipped (``lax.cond``) when
-    no decision falls in the chunk.
+    the trainer's chunked pass (which is what makes replay bitwise). A re-quantised page whose
+    tokens are now all int8 and which has an int8 page also gets its codes and scales written
+    there (``int8``). Skipped (``lax.cond``) when no decision falls in the chunk.
 
     Args:
       pool_k, pool_v: [P, L, K, H] pools (after this chunk's keys were written).
-      tables: int32 [B, max_pages] block tables (-1: no page; never written).
-      int8_at: int32 [B, S] with S = max_pages * L; int32 max = never int8.
+      tables: int32 [B, J] block tables (-1: no page; never written).
+      int8_at: int32 [B, S] with S = J * L; int32 max = never int8.
       lengths, new_len: int32 [B] tokens cached before / after this chunk.
+      int8: the layer's int8 pool, or None (float pages only).
 
     Returns:
-      The updated (pool_k, pool_v).
+      The updated (pool_k, pool_v), and the updated int8 pool when ``int8`` is given.
     """
     n_pages, page = pool_k.shape[:2]
     b, s = int8_at.shape
     now = (int8_at >= lengths[:, None]) & (int8_at < new_len[:, None])
 
     def update(pools):
+        pool_k, pool_v, int8 = pools
         mark = int8_at < new_len[:, None]
-        hit = jnp.repeat(jnp.any(now.reshape(b, s // page, page), axis=2), page, axis=1)
+        hit_page = jnp.any(now.reshape(b, s // page, page), axis=2)  # [B, J]
+        hit = jnp.repeat(hit_page, page, axis=1)
         page_ids = jnp.repeat(tables, page, axis=1)  # [B, S]
         dst = jnp.where(mark & hit & (page_ids >= 0), page_ids, n_pages)  # n_pages: dropped
         slot = jnp.broadcast_to(jnp.arange(s) % page, (b, s))
         safe = jnp.maximum(tables, 0)
-        out = []
-        for pool in pools:
+        out, xs = [], []
+        for pool in (pool_k, pool_v):
             x = pool[safe].reshape(b, s, *pool.shape[2:])
+            xs.append(x)
             out.append(pool.at[dst, slot].set(fake_quant_pages(x, mark, page), mode="drop"))
-        return tuple(out)
+        if int8 is not None:
+            full = jnp.all(mark.reshape(b, s // page, page), axis=2)
+            dst8 = jnp.where(hit_page & full & (int8.tables >= 0), int8.tables, int8.k.shape[0])
+            new = []
+            for x in xs:
+                codes, scale = quantize_pages(x, mark, page)
+                new.append(codes.reshape(b, s // page, page, *x.shape[2:]))
+                new.append(scale)
+            k8, ks, v8, vs = new
+            int8 = int8._replace(
+                k=int8.k.at[dst8].set(k8, mode="drop"),
+                v=int8.v.at[dst8].set(v8, mode="drop"),
+                ks=int8.ks.at[dst8].set(ks, mode="drop"),
+                vs=int8.vs.at[dst8].set(vs, mode="drop"),
+            )
+        return (*out, int8)
 
-    return jax.lax.cond(jnp.any(now), update, lambda pools: pools, (pool_k, pool_v))
+    new = jax.lax.cond(jnp.any(now), update, lambda pools: pools, (pool_k, pool_v, int8))
+    return new[:2] if int8 is None else new
+
+
+def int8_pages_read(int8: Int8Pool, int8_at: jax.Array, new_len: jax.Array) -> jax.Array:
+    """bool [B, J]: logical pages read from the int8 pool in this chunk (an int8 page assigned
+    and every token's int8 decision in effect by ``new_len``). int8_at int32 [B, J * L]."""
+    b, s = int8_at.shape
+    page = s // int8.tables.shape[1]
+    full = jnp.all((int8_at < new_len[:, None]).reshape(b, s // page, page), axis=2)
+    return full & (int8.tables >= 0)
+
+
+def read_pages(
+    pool: jax.Array,
+    safe: jax.Array,
+    codes: jax.Array | None = None,
+    scales: jax.Array | None = None,
+    safe8: jax.Array | None = None,
+    use8: jax.Array | None = None,
+) -> jax.Array:
+    """Every position of the given pages: pool [P, L, K, H], safe int32 [B, J] (valid flat page
+    ids) -> [B, J * L, K, H]; with ``codes`` int8 [P8, L, K, H], ``scales`` f32 [P8, K],
+    ``safe8`` int32 [B, J] and ``use8`` bool [B, J] the pages marked in ``use8`` come from the
+    int8 pool, dequantised to ``pool.dtype``."""
+    b, j = safe.shape
+    x = pool[safe]
+    if codes is not None:
+        deq = (codes[safe8].astype(jnp.float32) * scales[safe8][:, :, None, :, None]).astype(
+            pool.dtype
+        )
+        x = jnp.where(use8[:, :, None, None, None], deq, x)
+    return x.reshape(b, j * pool.shape[1], *pool.shape[2:])
+
+
+def read_tokens(
+    pool: jax.Array,
+    tables: jax.Array,
+    pos: jax.Array,
+    heads: jax.Array,
+    codes: jax.Array | None = None,
+    scales: jax.Array | None = None,
+    int8: tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array:
+    """One kv head's K or V at absolute positions.
+
+    Args:
+      pool: [P, L, K, H] float pool.
+      tables: int32 [B, J] flat page ids (-1: none; such positions must be masked by callers).
+      pos: int32 [B, ...] positions in [0, J * L).
+      heads: int32 broadcastable to ``pos``: the kv head read at each position.
+      codes, scales: the int8 pool (int8 [P8, L, K, H], f32 [P8, K]) or None.
+      int8: (int8 tables int32 [B, J], pages read from int8 bool [B, J]) with ``codes``.
+
+    Returns:
+      [B, ..., H] in ``pool.dtype``.
+    """
+    page_size = pool.shape[1]
+    bidx = jnp.arange(pos.shape[0]).reshape(-1, *([1] * (pos.ndim - 1)))
+    page, slot = pos // page_size, pos % page_size
+    x = pool[jnp.maximum(tables[bidx, page], 0), slot, heads]
+    if codes is not None:
+        tables8, use8 = int8
+        p8 = jnp.maximum(tables8[bidx, page], 0)
+        deq = (codes[p8, slot, heads].astype(jnp.float32) * scales[p8, heads][..., None]).astype(
+            pool.dtype
+        )
+        x = jnp.where(use8[bidx, page][..., None], deq, x)
+    return x
 
 
 def _int8_at(meta: dict, policy: DTypePolicy, s: int, page: int) -> jax.Array | None:

@@ -37,20 +37,30 @@ _REMAT = {
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: attention of ``kind`` then a dense or MoE FFN."""
+    """Pre-norm residual block: attention of ``kind`` then a dense or MoE FFN.
+
+    Returns ``(x, cache, routes, aux, blocks)``: ``blocks`` is an F layer's recorded block
+    selection ([B, T, K, n_sel], with ``record_blocks`` in the chunked path) or None.
+    """
 
     cfg: ModelConfig
     policy: DTypePolicy
     kind: str
     decode_kernel: bool = False
+    record_blocks: bool = False
 
     @nn.compact
-    def __call__(self, x, positions, cache, meta, valid, replay, group=None):
+    def __call__(self, x, positions, cache, meta, valid, replay, group=None, replay_blocks=None):
         cfg, pol = self.cfg, self.policy
         h = RMSNorm(cfg, pol, name="attn_norm")(x)
-        a, cache = Attention(cfg, pol, self.kind, self.decode_kernel, name="attn")(
-            h, positions, cache=cache, meta=meta, valid=valid, group=group
-        )
+        a, cache = Attention(
+            cfg, pol, self.kind, self.decode_kernel, self.record_blocks, name="attn"
+        )(h, positions, cache=cache, meta=meta, valid=valid, group=group,
+          replay_blocks=replay_blocks)  # fmt: skip
+        blocks = None
+        if cache is not None and "blocks" in cache:
+            cache = dict(cache)
+            blocks = cache.pop("blocks")
         x = x + a
         h = RMSNorm(cfg, pol, name="ffn_norm")(x)
         if cfg.is_moe:
@@ -58,7 +68,7 @@ class Block(nn.Module):
         else:
             f, routes, aux = MLP(cfg, pol, name="mlp")(h), None, {}
         x = nn.with_logical_constraint(x + f, ("batch", "seq", "embed"))
-        return x, cache, routes, aux
+        return x, cache, routes, aux, blocks
 
 
 class Group(nn.Module):
@@ -66,22 +76,31 @@ class Group(nn.Module):
 
     Caches come one of two ways (``Transformer`` docstring): stacked in the carry
     ``(x, caches)`` with this group's index in ``xs`` (updated in place), or this group's slice
-    in ``xs`` and returned as a scan output.
+    in ``xs`` and returned as a scan output. ``xs`` also carries this group's replayed routes
+    [B, T, P, k] and replayed block selections [B, T, F_group, K, n] (or None).
     """
 
     cfg: ModelConfig
     policy: DTypePolicy
     decode_kernel: bool = False
+    record_blocks: bool = False
 
     @nn.compact
     def __call__(self, carry, xs, positions, meta, valid):
         x, stacked = carry
-        group, sliced, replay = xs
+        group, sliced, replay, replay_blocks = xs
         caches = sliced if stacked is None else stacked
-        new_caches, routes, aux_sum = {}, [], {}
+        new_caches, routes, aux_sum, blocks = {}, [], {}, []
+        n_f = 0
         for i, kind in enumerate(self.cfg.layer_pattern):
             name = f"layer_{i}"
-            x, c, r, aux = Block(self.cfg, self.policy, kind, self.decode_kernel, name=name)(
+            rb = None
+            if replay_blocks is not None and kind == "F":
+                rb = replay_blocks[:, :, n_f]
+            n_f += kind == "F"
+            x, c, r, aux, blk = Block(
+                self.cfg, self.policy, kind, self.decode_kernel, self.record_blocks, name=name
+            )(
                 x,
                 positions,
                 None if caches is None else caches[name],
@@ -89,17 +108,21 @@ class Group(nn.Module):
                 valid,
                 None if replay is None else replay[:, :, i],
                 None if stacked is None else group,
+                rb,
             )
             if c is not None:
                 new_caches[name] = c
             if r is not None:
                 routes.append(r)
+            if blk is not None:
+                blocks.append(blk)
             for key, value in aux.items():
                 aux_sum[key] = aux_sum.get(key, 0.0) + value
         routes = jnp.stack(routes, axis=2) if routes else None  # [B, T, P, k]
+        blocks = jnp.stack(blocks, axis=2) if blocks else None  # [B, T, F_group, K, n]
         if stacked is not None:
-            return (x, new_caches), (None, routes, aux_sum)
-        return (x, None), (new_caches or None, routes, aux_sum)
+            return (x, new_caches), (None, routes, aux_sum, blocks)
+        return (x, None), (new_caches or None, routes, aux_sum, blocks)
 
 
 class Transformer(nn.Module):
@@ -107,6 +130,8 @@ class Transformer(nn.Module):
 
     ``decode_kernel``: one-row chunks of F/D layers attend through the paged decode kernel
     (``model.attention`` docstring; same parameters, numbers equal up to reduction order).
+    ``record_blocks``: the chunked path returns every F layer's block selection in
+    ``extras['blocks']`` (for the rollout to record; same numbers).
 
     Cache plumbing through the depth scan: without remat the stacked layer caches ([G, ...])
     are the scan carry and each layer scatters its new rows into its group's entry in place, so
@@ -121,6 +146,7 @@ class Transformer(nn.Module):
     cfg: ModelConfig
     policy: DTypePolicy
     decode_kernel: bool = False
+    record_blocks: bool = False
 
     @nn.compact
     def __call__(
@@ -130,6 +156,7 @@ class Transformer(nn.Module):
         cache: dict | None = None,
         valid: jax.Array | None = None,
         replay_routes: jax.Array | None = None,
+        replay_blocks: jax.Array | None = None,
     ) -> tuple[jax.Array, dict | None, dict]:
         """Forward pass.
 
@@ -139,11 +166,18 @@ class Transformer(nn.Module):
             ``block_tables``) — then positions continue from ``cache['lengths']``.
           valid: bool [B, C] real rows of a chunk (a prefix of each row); default all.
           replay_routes: int32 [B, T, L_moe, k] expert indices to force (routing replay).
+          replay_blocks: int32 [B, T, L_F, K, n] key blocks each F layer (in depth order)
+            attends to, per query token and kv head (-1 unused): block-selection replay.
 
         Returns:
           (logits float32 [B, T, V], new cache or None, extras) where extras holds ``routes``
-          int32 [B, T, L_moe, k] (MoE only), summed aux losses (``aux_loss`` etc.) and, with
-          ``cfg.value_head``, ``values`` f32 [B, T]: V of the prefix ending at each token.
+          int32 [B, T, L_moe, k] (MoE only), summed aux losses (``aux_loss`` etc.), with
+          ``cfg.value_head`` ``values`` f32 [B, T]: V of the prefix ending at each token, and
+          with ``record_blocks`` in the chunked path ``blocks`` int32 [B, T, L_F, K, n_sel].
+
+        Raises:
+          ValueError: ``replay_routes`` / ``replay_blocks`` of the wrong shape or for a model
+            without MoE / F layers.
         """
         cfg, pol = self.cfg, self.policy
         b, t = tokens.shape
@@ -165,6 +199,17 @@ class Transformer(nn.Module):
             if replay_routes.shape != want:
                 raise ValueError(f"replay_routes.shape={replay_routes.shape}, expected {want}")
             replay = replay_routes.reshape(b, t, cfg.n_groups, p, -1).transpose(2, 0, 1, 3, 4)
+        replay_blk = None
+        if replay_blocks is not None:
+            n_f = cfg.layer_pattern.count("F")
+            want = (b, t, cfg.n_groups * n_f, cfg.n_kv_heads)
+            if not n_f or replay_blocks.ndim != 5 or replay_blocks.shape[:4] != want:
+                raise ValueError(
+                    f"replay_blocks.shape={replay_blocks.shape}, expected {want} + (n,) "
+                    f"(layer_pattern={cfg.layer_pattern!r})"
+                )
+            replay_blk = replay_blocks.reshape(b, t, cfg.n_groups, n_f, *replay_blocks.shape[3:])
+            replay_blk = replay_blk.transpose(2, 0, 1, 3, 4, 5)
 
         group = Group
         if cfg.remat != "none":
@@ -179,11 +224,11 @@ class Transformer(nn.Module):
         )
         in_carry = layer_caches is not None and cfg.remat == "none"
         groups = jnp.arange(cfg.n_groups, dtype=jnp.int32)
-        (x, carried), (new_layers, routes, aux) = scanned(
-            cfg, pol, self.decode_kernel, name="groups"
+        (x, carried), (new_layers, routes, aux, blocks) = scanned(
+            cfg, pol, self.decode_kernel, self.record_blocks, name="groups"
         )(
             (x, layer_caches if in_carry else None),
-            (groups, None if in_carry else layer_caches, replay),
+            (groups, None if in_carry else layer_caches, replay, replay_blk),
             positions,
             meta,
             valid,
@@ -206,6 +251,9 @@ class Transformer(nn.Module):
             extras["values"] = head(h.astype(jnp.float32))[..., 0]
         if routes is not None:  # [G, B, T, P, k] -> [B, T, G*P, k]
             extras["routes"] = routes.transpose(1, 2, 0, 3, 4).reshape(b, t, cfg.n_layers, -1)
+        if blocks is not None:  # [G, B, T, F, K, n] -> [B, T, G*F, K, n]
+            blocks = blocks.transpose(1, 2, 0, 3, 4, 5)
+            extras["blocks"] = blocks.reshape(b, t, -1, *blocks.shape[4:])
         new_cache = None
         if cache is not None:
             v = jnp.ones((b, t), bool) if valid is None else valid
@@ -221,13 +269,16 @@ class CacheSpec:
 
     ``n_pages`` defaults to ``batch * ceil(max_len / page_size)`` (every sequence owns its pages;
     the rollout allocator may share a smaller pool). ``page_size`` must be a multiple of
-    ``sparse_block_size`` so key blocks never straddle pages.
+    ``sparse_block_size`` so key blocks never straddle pages. ``int8_pages`` > 0 gives every
+    paged layer an int8 pool of that many pages, addressed through ``int8_tables``
+    (``model.paged``; the rollout allocator fills them).
     """
 
     batch: int
     max_len: int
     page_size: int = 16
     n_pages: int | None = None
+    int8_pages: int = 0
 
     @property
     def pages_per_seq(self) -> int:
@@ -241,6 +292,8 @@ class CacheSpec:
 def init_cache(cfg: ModelConfig, policy: DTypePolicy, spec: CacheSpec) -> dict:
     """Empty cache with contiguous per-sequence block tables (``lengths`` all zero).
 
+    With ``spec.int8_pages`` the cache also holds ``int8_tables`` int32 [B, max_pages], all -1.
+
     Raises ``ValueError`` if ``page_size`` is not a multiple of ``sparse_block_size``.
     """
     if spec.page_size % cfg.sparse_block_size and "F" in cfg.layer_pattern:
@@ -253,7 +306,14 @@ def init_cache(cfg: ModelConfig, policy: DTypePolicy, spec: CacheSpec) -> dict:
     layers = {}
     for i, kind in enumerate(cfg.layer_pattern):
         one = init_layer_cache(
-            kind, cfg, policy, batch=spec.batch, n_pages=spec.pool_pages, page_size=spec.page_size
+            kind,
+            cfg,
+            policy,
+            batch=spec.batch,
+            n_pages=spec.pool_pages,
+            page_size=spec.page_size,
+            int8_pages=spec.int8_pages,
+            max_len=spec.pages_per_seq * spec.page_size,
         )
         layers[f"layer_{i}"] = jax.tree.map(
             lambda a: jnp.broadcast_to(a, (cfg.n_groups, *a.shape)), one
@@ -263,11 +323,14 @@ def init_cache(cfg: ModelConfig, policy: DTypePolicy, spec: CacheSpec) -> dict:
     )
     if spec.n_pages is not None:  # shared pool: the allocator fills the tables
         tables = jnp.full_like(tables, -1)
-    return {
+    cache = {
         "layers": layers,
         "lengths": jnp.zeros((spec.batch,), jnp.int32),
         "block_tables": tables,
     }
+    if spec.int8_pages:
+        cache["int8_tables"] = jnp.full_like(tables, -1)
+    return cache
 
 
 def forward_chunked(
@@ -313,7 +376,7 @@ def forward_chunked(
     return logits, unchunk_extras(extras, t, jnp.sum)
 
 
-PER_TOKEN_EXTRAS = ("routes", "values")
+PER_TOKEN_EXTRAS = ("routes", "values", "blocks")
 
 
 def unchunk_extras(extras: dict, t: int, reduce) -> dict:

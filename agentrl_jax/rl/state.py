@@ -55,6 +55,8 @@ class RLConfig:
       use_kv_mask_replay: replay the rollout's KV evictions (``batch['kv_evict_at']``) and int8
         KV decisions (``batch['kv_int8_at']``, when present) in the recompute; needs a parity
         policy (the chunked path).
+      use_block_replay: every F layer attends to the blocks the rollout selected
+        (``batch['sparse_blocks']``, recorded with ``rollout.record_blocks``), in both passes.
       max_consecutive_nonfinite: non-finite steps in a row after which ``FallbackController``
         switches to ``fallback_policy`` (>= 0; 0 disables the fallback).
       fallback_policy: dtype-policy preset used during a fallback.
@@ -78,6 +80,7 @@ class RLConfig:
     log_mismatch: bool = True
     use_routing_replay: bool = False
     use_kv_mask_replay: bool = False
+    use_block_replay: bool = False
     max_consecutive_nonfinite: int = 3
     fallback_policy: str = "bf16"
     fallback_steps: int = 10

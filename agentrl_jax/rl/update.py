@@ -27,6 +27,7 @@ Batch (numpy or jax arrays, B sequences padded to T; see the trajectory contract
   (when loss.kl_coef > 0); routes int32 [B,T,L,k] (MoE; required by routing replay);
   kv_evict_at int32 [B,T] (KV-mask replay, parity policies; see ``rollout.trajectory``);
   kv_int8_at int32 [B,T] (optional: int8 KV decisions, replayed with the evictions);
+  sparse_blocks int32 [B,T,L_F,K,n] (sparse block selections; required by block replay);
   value_targets, old_values f32 [B,T] (``loss.vf_coef`` > 0, a model with a value head): the
   critic's targets and the values the batch was scored with, on action tokens, V taken before
   each token (``old_values[:, t]`` = the head's output at position t - 1).
@@ -52,6 +53,7 @@ from agentrl_jax.precision import DTypePolicy
 from agentrl_jax.rl.logprobs import target_mask
 from agentrl_jax.rl.losses import policy_loss, value_loss
 from agentrl_jax.rl.mismatch import mismatch_metrics
+from agentrl_jax.rl.replay import replay_fields
 from agentrl_jax.rl.state import RLConfig, TrainState, rl_optimizer
 from agentrl_jax.sharding import StepShardings
 
@@ -69,8 +71,8 @@ def prepare_batch(batch: dict, rl_cfg: RLConfig, model: Transformer) -> dict[str
     """Per-sequence arrays the update indexes by row, shifted to the logprob alignment.
 
     Returns a dict with tokens [B,T], valid [B,T], mask [B,T-1], adv [B,T-1] and, when present
-    or needed, logp_rollout [B,T-1], logp_ref [B,T-1], v_target / v_old [B,T-1] (value loss),
-    routes [B,T,L,k] (replay) and rollout_routes [B,T,L,k] (mismatch only).
+    or needed, logp_rollout [B,T-1], logp_ref [B,T-1], v_target / v_old [B,T-1] (value loss)
+    and the replayed rollout decisions (``rl.replay.replay_fields``).
 
     Raises:
       ValueError: a missing required field or a shape mismatch.
@@ -109,27 +111,7 @@ def prepare_batch(batch: dict, rl_cfg: RLConfig, model: Transformer) -> dict[str
                 raise ValueError(f"loss.vf_coef > 0 needs batch[{field!r}]")
         data["v_target"] = jnp.asarray(batch["value_targets"], jnp.float32)[:, 1:]
         data["v_old"] = jnp.asarray(batch["old_values"], jnp.float32)[:, 1:]
-    cfg = model.cfg
-    if "routes" in batch and cfg.is_moe:
-        routes = jnp.asarray(batch["routes"], jnp.int32)
-        want = (*shape, cfg.n_layers, cfg.experts_per_token)
-        if tuple(routes.shape) != want:
-            raise ValueError(f"batch['routes'] must have shape {want}, got {routes.shape}")
-        data["routes" if rl_cfg.use_routing_replay else "rollout_routes"] = routes
-    elif rl_cfg.use_routing_replay:
-        raise ValueError("use_routing_replay=True needs an MoE model and batch['routes']")
-    if rl_cfg.use_kv_mask_replay:
-        if batch.get("kv_evict_at") is None:
-            raise ValueError("use_kv_mask_replay=True needs batch['kv_evict_at']")
-        evict = jnp.asarray(batch["kv_evict_at"], jnp.int32)
-        if tuple(evict.shape) != shape:
-            raise ValueError(f"batch['kv_evict_at'] must have shape {shape}, got {evict.shape}")
-        data["evict_at"] = evict
-        if batch.get("kv_int8_at") is not None:
-            int8 = jnp.asarray(batch["kv_int8_at"], jnp.int32)
-            if tuple(int8.shape) != shape:
-                raise ValueError(f"batch['kv_int8_at'] must have shape {shape}, got {int8.shape}")
-            data["int8_at"] = int8
+    data.update(replay_fields(batch, rl_cfg, model, shape))
     return data
 
 
@@ -194,6 +176,7 @@ def _micro_loss(model: Transformer, spec, lcfg, params, x, loss_w, n_micro):
         replay_routes=x.get("routes"),
         evict_at=x.get("evict_at"),
         int8_at=x.get("int8_at"),
+        replay_blocks=x.get("blocks"),
         chunk_spec=spec,
     )
     loss, metrics = policy_loss(
@@ -300,11 +283,12 @@ def _pre_update(model, rl_cfg, spec, params, data):
             replay_routes=x.get("routes"),
             evict_at=x.get("evict_at"),
             int8_at=x.get("int8_at"),
+            replay_blocks=x.get("blocks"),
             chunk_spec=spec,
         )
         return logp, ent, extras.get("routes")
 
-    keys = [k for k in ("tokens", "valid", "routes", "evict_at", "int8_at") if k in data]
+    keys = [k for k in ("tokens", "valid", "routes", "evict_at", "int8_at", "blocks") if k in data]
     x = {k: data[k] for k in keys}
     if mbs == b:
         out = run(x)
@@ -442,8 +426,8 @@ def make_update(
 
     Raises:
       ValueError: unsupported options (KV-mask replay without a parity policy, routing replay
-        without MoE, parity policy without ``sampling_meta``); at trace time, batch fields or
-        sizes that do not fit.
+        without MoE, block replay without F layers, parity policy without ``sampling_meta``);
+        at trace time, batch fields or sizes that do not fit.
     """
     model = with_policy(model, policy)
     spec = as_chunk_spec(sampling_meta)
@@ -454,6 +438,8 @@ def make_update(
         )
     if rl_cfg.use_routing_replay and not model.cfg.is_moe:
         raise ValueError("RLConfig.use_routing_replay=True needs an MoE model (n_experts > 0)")
+    if rl_cfg.use_block_replay and "F" not in model.cfg.layer_pattern:
+        raise ValueError("RLConfig.use_block_replay=True needs sparse full attention (F layers)")
     if model.policy.parity and spec is None:
         raise ValueError(f"policy {model.policy.name!r} needs sampling_meta (chunk geometry)")
     tx = rl_optimizer(rl_cfg)

@@ -19,7 +19,12 @@ An episode ends when the environment says done, after ``max_turns`` turns or at 
 
 With a shared page pool (``n_pages``), new episodes wait when the pool runs short and a slot
 that cannot grow preempts the most recently admitted slot, which resumes later by
-re-prefilling its exact tokens. Sampling keys depend on (episode id, position) only, so under a
+re-prefilling its exact tokens. KV eviction / int8 give their pages back (``rollout.turns``):
+later turns and newly admitted episodes take them. With eviction on, a slot short of pages
+prefills what fits and continues once its decisions freed pages, a preempted episode resumes
+piecewise when it would be alone in the pool (else when its whole history fits), and an
+episode alone that cannot grow ends truncated. Sampling keys depend on (episode id, position)
+only, so under a
 parity policy a preempted run reproduces the tokens of an unconstrained run. With
 ``disaggregate`` prefill and decode run on two device sub-meshes and the prefilled KV moves
 between them (``rollout/disaggregation.py``; ``kv_moved_bytes`` per turn in the logs); tokens
@@ -35,26 +40,26 @@ from concurrent.futures import Executor
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from agentrl_jax.envs.base import Env, StepResult, Tokenizer
 from agentrl_jax.model.transformer import Transformer
 from agentrl_jax.rollout import disaggregation as dis
 from agentrl_jax.rollout import turns
-from agentrl_jax.rollout.kv_cache import EvictionConfig, PagePool
+from agentrl_jax.rollout.kv_cache import KVLayout, PagePool
 from agentrl_jax.rollout.loop_state import (
     EpisodeSlot,
     LoopOptions,
     LoopState,
     RolloutStats,
+    resolve_options,
     twin_slots,
 )
 from agentrl_jax.rollout.sampler import NEVER, SamplingConfig, get_sampler
 from agentrl_jax.rollout.trajectory import (
     EpisodeRecord,
     Trajectory,
-    stack_episodes,
+    own_blocks,
     weighted_process,
     write_jsonl,
 )
@@ -87,7 +92,8 @@ class AgentLoop:
 
     Raises:
       ValueError: for empty ``tasks``, ``max_tokens`` out of ``[2, max_len]``, per-task lists
-        of the wrong length, or ``disaggregate`` with KV eviction.
+        of the wrong length, or ``disaggregate`` with KV eviction, block records or a
+        ``sparse_gather`` model.
     """
 
     def __init__(
@@ -108,9 +114,9 @@ class AgentLoop:
     ):
         if not tasks:
             raise ValueError("tasks must be non-empty")
-        options = options or LoopOptions()
-        if options.n_slots is None:
-            options = dataclasses.replace(options, n_slots=len(tasks))
+        options, self.eviction, self.int8_pages = resolve_options(
+            options, sampling_cfg, model.cfg, len(tasks)
+        )
         self.options = options
         cap = sampling_cfg.max_len if options.max_tokens is None else options.max_tokens
         if not 2 <= cap <= sampling_cfg.max_len:
@@ -130,25 +136,24 @@ class AgentLoop:
         self.weights = dict(options.process_weights)
         mcfg = model.cfg
         self.route_shape = (mcfg.n_layers, mcfg.experts_per_token) if mcfg.is_moe else None
-        eviction = options.eviction
-        if eviction is None and cfg.eviction_threshold > 0:
-            eviction = EvictionConfig(threshold=cfg.eviction_threshold, int8=cfg.eviction_int8)
-        self.eviction = eviction
-        self.evicting = eviction is not None and eviction.threshold > 0
-        if options.disaggregate is not None and self.evicting:
-            raise ValueError("disaggregate does not support KV eviction / int8 (eviction=...)")
+        self.evicting = self.eviction is not None
         self.params, self.split = params, None  # split: the prefill sub-mesh's copies
         self.state = self._init_state(stats)
 
     def _init_state(self, stats: RolloutStats | None) -> LoopState:
         """Empty slots, the page pool, the sampler state (placed on the sub-meshes)."""
         opts, cfg = self.options, self.cfg
-        pool = None
+        pool = pool8 = None
         if opts.n_pages is not None:
             pool = PagePool(
                 opts.n_slots, opts.n_pages, cfg.page_size, cfg.max_len, opts.page_budget
             )
-        decode = self.sampler.init_state(opts.n_slots, opts.n_pages, track_mass=self.evicting)
+        if self.int8_pages:
+            pool8 = PagePool(opts.n_slots, self.int8_pages, cfg.page_size, cfg.max_len)
+        decode = self.sampler.init_state(
+            opts.n_slots, opts.n_pages, track_mass=self.evicting, int8_pages=self.int8_pages
+        )
+        layout = KVLayout.from_cache(decode.cache, self.model.cfg.layer_pattern)
         if opts.disaggregate is not None:
             tables = pool.tables if pool is not None else np.asarray(decode.cache["block_tables"])
             self.split = dis.Split(opts.disaggregate, self.sampler, self.params, decode, tables)
@@ -160,14 +165,15 @@ class AgentLoop:
             records=[None] * len(self.tasks),
             logs=[],
             pool=pool,
+            pool8=pool8,
             decode=decode,
+            layout=layout,
             evict_at=never,
             int8_at=never.copy(),
             stats=stats if stats is not None else RolloutStats(),
         )
         if pool is not None:
-            self.reset_slots(np.zeros(opts.n_slots, bool), pool.tables)
-            pool.dirty = False
+            self.sync_tables(force=True)
         return self.state
 
     # Driving ----------------------------------------------------------------------------------
@@ -193,44 +199,38 @@ class AgentLoop:
         """The padded batch of the finished episodes (call once :meth:`done`); written to
         ``options.log_path`` when set. Padded to the longest episode rounded up to the decode
         chunk."""
-        st, cfg = self.state, self.cfg
-        done_records = [r for r in st.records if r is not None]
-        longest = max(len(r.tokens) for r in done_records)
-        pad_to = min(-(-longest // cfg.chunk) * cfg.chunk, max(cfg.max_len, longest))
-        traj = stack_episodes(
-            done_records,
-            pad_to=pad_to,
-            route_shape=self.route_shape,
-            kv_masks=self.evicting,
-            logs=st.logs,
-        )
+        block_size = self.model.cfg.sparse_block_size
+        traj = self.state.stack(self.cfg, self.route_shape, self.evicting, block_size)
         if self.options.log_path is not None:
             write_jsonl(traj, self.options.log_path)
         return traj
 
     # Slots ------------------------------------------------------------------------------------
-    def reset_slots(self, mask, tables=None) -> None:
-        """Empties the device slots where ``mask`` is set; optionally new block tables."""
+    def reset_slots(self, mask, tables=None, tables8=None) -> None:
+        """Empties the device slots where ``mask`` is set; optionally new block tables (of the
+        float and the int8 pool)."""
         st = self.state
-        st.decode = self.sampler.reset_slots(st.decode, mask, tables)
+        st.decode = self.sampler.reset_slots(st.decode, mask, tables, tables8)
         if self.split is not None:
             st.decode = self.split.reset(st.decode, mask, tables)
 
-    def sync_tables(self) -> None:
-        """Uploads the pool's block tables if they changed."""
-        pool = self.state.pool
-        if pool is not None and pool.dirty:
-            self.reset_slots(np.zeros(len(self.state.slots), bool), pool.tables.copy())
-            pool.dirty = False
+    def sync_tables(self, mask=None, *, force: bool = False) -> None:
+        """Resets the slots in ``mask`` (if any) and uploads the pools' block tables if they
+        changed (or ``force``)."""
+        st = self.state
+        mask = np.zeros(len(st.slots), bool) if mask is None else mask
+        pools = [p for p in (st.pool, st.pool8) if p is not None]
+        if not (mask.any() or force or any(p.dirty for p in pools)):
+            return
+        tables = None if st.pool is None else st.pool.tables.copy()
+        tables8 = None if st.pool8 is None else st.pool8.tables.copy()
+        self.reset_slots(mask, tables, tables8)
+        for p in pools:
+            p.dirty = False
 
     def sync_marks(self) -> None:
         """Uploads the host mirrors of evict_at / int8_at when a decision changed them."""
-        st = self.state
-        if st.marks_dirty:
-            st.decode = st.decode._replace(
-                evict_at=jnp.asarray(st.evict_at), int8_at=jnp.asarray(st.int8_at)
-            )
-            st.marks_dirty = False
+        self.state.upload_marks()
 
     # 1. Admission -----------------------------------------------------------------------------
     def new_episode(self, task_index: int) -> EpisodeSlot:
@@ -243,6 +243,9 @@ class AgentLoop:
         if self.route_shape is not None:
             rec.routes = np.zeros((self.cap, *self.route_shape), np.int32)
         rec.extend(prompt[: self.cap], action=False, turn=0)
+        if self.state.decode.blocks is not None:
+            shape = self.state.decode.blocks.shape
+            rec.blocks = own_blocks(self.cap, shape[2:], self.model.cfg.sparse_block_size)
         bos = self.tokenizer.bos_id
         goal = prompt[1:] if prompt and prompt[0] == bos else prompt
         return EpisodeSlot(rec=rec, env=env, goal=goal, admitted=self.state.admitted)
@@ -259,7 +262,10 @@ class AgentLoop:
             item = st.queue.popleft()
             if isinstance(item, int):  # a new task: start its environment
                 item = self.new_episode(item)
-            if st.pool is not None and not st.pool.ensure(s, item.stream_len + 1):
+            need = item.stream_len + 1
+            if self.evicting and all(sl is None for sl in st.slots):
+                need = min(need, self.cfg.page_size)  # alone: the rest is prefilled piecewise
+            if st.pool is not None and not st.pool.ensure(s, need):
                 st.stats.admission_waits += 1
                 if all(sl is None for sl in st.slots):  # can never fit: give up on it
                     item.rec.truncated = True
@@ -268,17 +274,15 @@ class AgentLoop:
                     st.queue.appendleft(item)
                 break
             st.place(s, item)
+            turns.assign_int8(st, s, len(item.rec.tokens), self.cfg.page_size)  # resumed
             reset[s] = True
-        if reset.any() or (st.pool is not None and st.pool.dirty):
-            self.reset_slots(reset, None if st.pool is None else st.pool.tables.copy())
-            if st.pool is not None:
-                st.pool.dirty = False
+        self.sync_tables(reset)
 
     # 2. Prefill -------------------------------------------------------------------------------
     def prefill(self) -> None:
         """Appends every slot's pending environment tokens to its cache (one jitted call)."""
         st = self.state
-        n_new = st.pending_tokens()
+        n_new = st.pending_tokens(partial=self.evicting)
         if not n_new.any():
             return
         self.sync_tables()
@@ -287,7 +291,7 @@ class AgentLoop:
         toks = np.zeros((len(st.slots), width), np.int32)
         for s in np.nonzero(n_new)[0]:
             sl = st.slots[s]
-            toks[s, : n_new[s]] = (sl.rec.tokens + sl.turn_toks)[sl.cached :]
+            toks[s, : n_new[s]] = (sl.rec.tokens + sl.turn_toks)[sl.cached : sl.cached + n_new[s]]
         routes = self.run_prefill(toks, n_new)
         for s in np.nonzero(n_new)[0]:
             sl = st.slots[s]
@@ -299,7 +303,9 @@ class AgentLoop:
                     sl.rec.set_routes(lo, routes[s, lo - start : hi - start])
                     sl.rec.routes_upto = hi
             sl.cached += int(n_new[s])
-            sl.generating = True
+            sl.generating = sl.pending == 0  # else the rest is prefilled next round
+            if self.evicting:  # conversions of this prefill done: their float pages go back
+                turns.reclaim(st, int(s), self.cfg.page_size)
         st.stats.prefill_calls += 1
 
     def run_prefill(self, toks: np.ndarray, n_new: np.ndarray) -> np.ndarray | None:
@@ -338,13 +344,12 @@ class AgentLoop:
         st, cfg = self.state, self.cfg
         if not any(sl is not None and sl.generating for sl in st.slots):
             return None
-        budget = st.budgets(cfg.max_new_tokens, self.cap)
+        budget = st.budgets(cfg.max_new_tokens, self.cap, partial=self.evicting)
         active = np.asarray([sl is not None and sl.generating for sl in st.slots])
         if not active.any():
             return None
-        if st.pool is not None:
-            self.sync_tables()
-            st.stats.max_pages_in_use = max(st.stats.max_pages_in_use, st.pool.in_use)
+        self.sync_tables()
+        st.note_memory()
         self.sync_marks()
         uids = np.asarray([sl.rec.uid if sl is not None else 0 for sl in st.slots], np.int32)
         stop_after = 1 if self.options.continuous else int(active.sum())
@@ -413,24 +418,21 @@ class AgentLoop:
     def record_step(self, s: int, action: list[int], obs, res: StepResult) -> None:
         """Logs the turn, evicts what later tokens no longer attend, appends the observation
         (and the goal when it is due) and ends the episode when it is over."""
-        st, slot, cfg = self.state, self.state.slots[s], self.cfg
+        st, slot = self.state, self.state.slots[s]
         rec, room = slot.rec, self.room(s)
         rec.process[len(rec.tokens) - 1] = weighted_process(res.process, self.weights)
         every = self.options.goal_every
         extra = list(slot.goal) if not res.done and every and slot.turn % every == 0 else []
         new = list(obs) + extra
-        kv = turns.record_kv_bytes(rec, self.model.cfg, self.model.policy, cfg.page_size)
         st.logs.append(
             turns.turn_log(
                 st,
                 s,
                 action,
                 res,
-                kv_bytes=kv,
-                page_size=cfg.page_size,
                 prefill_tokens=0 if res.done else min(len(new), room),
                 goal_reinjected=bool(extra),
-            )  # fmt: skip
+            )
         )
         if self.evicting and not res.done:
             self.evict(s)

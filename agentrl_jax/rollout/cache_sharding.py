@@ -59,6 +59,7 @@ def decode_state_shardings(state, mesh: jax.sharding.Mesh):
         logits=row_leaf(state.logits),
         evict_at=row_leaf(state.evict_at),
         int8_at=row_leaf(state.int8_at),
+        blocks=None if state.blocks is None else row_leaf(state.blocks),
     )
 
 

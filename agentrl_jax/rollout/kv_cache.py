@@ -1,27 +1,33 @@
-"""Host-side KV page allocation over a shared pool, KV memory accounting, eviction decisions.
+"""Host-side KV page allocation over shared pools, KV memory accounting, eviction decisions.
 
 The device cache is the model's (``agentrl_jax.model.transformer.init_cache``): sliding-window
 (``S``) layers hold a ring buffer of ``window`` tokens per slot; full/sparse (``F``/``D``) layers
-hold one pool of ``n_pages`` pages of ``page_size`` tokens, addressed through per-slot block
-tables ``int32 [slots, max_pages]`` (-1 = no page). :class:`PagePool` owns the block tables on
-the host: it hands out free pages when a slot grows, takes them back when a slot ends, is
-preempted, or its tail is trimmed, and reports what is in use. Exhaustion never raises inside the
-loop: ``ensure`` answers False and the agent loop makes admission wait or preempts a slot.
+hold one pool of ``n_pages`` float pages of ``page_size`` tokens, addressed through per-slot
+block tables ``int32 [slots, max_pages]`` (-1 = no page), and optionally an int8 pool of their
+own addressed through ``int8_tables``. :class:`PagePool` owns a pool's block tables on the host:
+it hands out free pages when a slot grows, takes them back when a slot ends, is preempted, its
+tail is trimmed or its tokens left the pool, and reports what is in use. Exhaustion never
+raises inside the loop: ``ensure`` answers False and the agent loop makes admission wait or
+preempts a slot.
 
 Eviction (``EvictionConfig``): after a model turn, the tokens of *finished* tool-output blocks
 (observations followed by at least one later model turn) whose accumulated attention from later
-tokens stays under ``threshold`` are evicted from the F/D layers (their pages are freed when a
-whole page is evicted), or with ``int8=True`` moved to int8 instead: their K and V in the F/D
-pools are replaced by the int8 round trip with one fp32 scale per (logical page, KV head) over
-the page's int8 tokens (``model.kv_quant``). The decision takes effect at the next
-prefill-chunk-aligned position and is recorded per token (``Trajectory.kv_evict_at`` /
-``kv_keep_mask``, ``kv_int8_at`` / ``kv_int8_mask``), so training replays exactly the same
-visibility and the same quantised values (bitwise under parity policies).
+tokens stays under ``threshold`` are evicted from the F/D layers, or with ``int8=True`` moved to
+int8 instead (under ``drop_threshold`` still evicted): their K and V are replaced by the int8
+round trip with one fp32 scale per (logical page, KV head) over the page's int8 tokens
+(``model.kv_quant``). The decision takes effect at the next prefill-chunk-aligned position and
+is recorded per token (``Trajectory.kv_evict_at`` / ``kv_keep_mask``, ``kv_int8_at`` /
+``kv_int8_mask``), so training replays exactly the same visibility and the same quantised values
+(bitwise under parity policies).
 
-int8 storage is *simulated*: the pool keeps its float dtype and holds the dequantised values
-(numerically what an int8 page store returns; no device memory is freed yet).
-:func:`kv_bytes_per_seq` reports the footprint of an int8 page store (1 byte per element plus the
-scales), i.e. the saving the decisions would buy, not the bytes of the simulated buffers.
+Memory is really freed (``rollout.turns.reclaim``): a page whose tokens are all evicted goes
+back to the float pool once no later chunk can see it; a page whose tokens are all int8 gets a
+page of the int8 pool when one is free (codes + scales, a quarter of an fp32 page) and its float
+page goes back once the conversion chunk has run. Pages partly int8 stay in the float pool with
+the round-tripped values (bitwise what the int8 pool returns). Later turns and newly admitted
+episodes take the freed pages. :class:`KVLayout` prices pages from the live device buffers, so
+KV bytes are pages in use x page bytes per pool (plus the per-slot rings); :func:`kv_bytes_per_seq`
+is the planning formula (what a sequence of n tokens would cost), not a measurement.
 """
 
 from __future__ import annotations
@@ -56,8 +62,8 @@ def kv_bytes_per_seq(
     V over ``int8_pages`` pages (default ``ceil(int8_tokens / page_size)``) and every other slot
     of an allocated page costs the pool dtype. Under a ``kv_cache_dtype='int8'`` policy every
     complete page is int8 (the tail page stays float). Float elements use the pool dtype
-    (``model.attention.pool_dtype``). int8 is simulated in the rollout (module docstring): this
-    is the footprint of int8 storage, not of the simulated float buffers.
+    (``model.attention.pool_dtype``). A planning formula: measured bytes come from
+    :class:`KVLayout` and the pools (module docstring).
     """
     counts = cfg.layer_counts()
     per_tok = 2 * cfg.n_kv_heads * cfg.head_dim  # k and v
@@ -162,6 +168,17 @@ class PagePool:
         self.trim(slot, 0)
         self.holes[slot].clear()
 
+    def take(self, slot: int, j: int) -> bool:
+        """Gives block-table entry ``j`` of ``slot`` a page if it has none; False if none is
+        free (nothing changed)."""
+        if self.tables[slot, j] >= 0:
+            return True
+        if not self.free:
+            return False
+        self.tables[slot, j] = self.free.pop()
+        self.dirty = True
+        return True
+
     def release_pages(self, slot: int, page_indices) -> int:
         """Frees the given block-table entries of ``slot`` (evicted pages); returns how many.
 
@@ -183,6 +200,46 @@ class PagePool:
 
 
 @dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """Bytes of the live cache buffers per allocation unit (from their shapes and dtypes).
+
+    Attributes:
+      float_page: one float page across every F/D layer (K and V).
+      int8_page: one int8 page across every F/D layer (codes and scales of K and V; 0 when the
+        cache has no int8 pool).
+      per_slot: what every slot holds whatever its length: the S rings and, with
+        ``sparse_gather``, the F layers' block means (the eviction mass accumulator is
+        bookkeeping, not KV, and is left out).
+    """
+
+    float_page: int
+    int8_page: int
+    per_slot: int
+
+    @classmethod
+    def from_cache(cls, cache: dict, pattern: str) -> KVLayout:
+        """Prices the buffers of a model cache (``init_cache`` layout: [G, P or B, ...])."""
+        float_page = int8_page = per_slot = 0
+        for name, layer in cache["layers"].items():
+            kind = pattern[int(name[6:])]
+            for key, a in layer.items():
+                unit = int(a.size // a.shape[1]) * a.dtype.itemsize
+                if key == "mass":
+                    continue
+                if kind == "S" or key == "kmean":
+                    per_slot += unit
+                elif key in ("k", "v"):
+                    float_page += unit
+                else:  # k8, v8, ks, vs
+                    int8_page += unit
+        return cls(float_page, int8_page, per_slot)
+
+    def slot_bytes(self, float_pages: int, int8_pages: int = 0) -> int:
+        """KV bytes of one slot holding these pages."""
+        return self.per_slot + float_pages * self.float_page + int8_pages * self.int8_page
+
+
+@dataclasses.dataclass(frozen=True)
 class EvictionConfig:
     """When finished tool-output tokens are evicted from (or int8-compressed in) F/D layers.
 
@@ -192,14 +249,24 @@ class EvictionConfig:
       int8: move the block's F/D-layer K/V to int8 (per-page, per-head fp32 scales; recorded in
         ``kv_int8_at`` / ``kv_int8_mask``) instead of evicting it.
       min_block: blocks shorter than this are left alone.
+      drop_threshold: with ``int8``, blocks whose share is under this (<= ``threshold``) are
+        evicted rather than moved to int8. 0: none.
     """
 
     threshold: float = 0.0
     int8: bool = False
     min_block: int = 4
+    drop_threshold: float = 0.0
 
     def __post_init__(self):
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"EvictionConfig.threshold={self.threshold} must be in [0, 1]")
         if self.min_block < 1:
             raise ValueError(f"EvictionConfig.min_block={self.min_block} must be >= 1")
+        if not 0.0 <= self.drop_threshold <= self.threshold:
+            raise ValueError(
+                f"EvictionConfig.drop_threshold={self.drop_threshold} must be in "
+                f"[0, threshold={self.threshold}]"
+            )
+        if self.drop_threshold > 0 and not self.int8:
+            raise ValueError("EvictionConfig.drop_threshold needs int8=True")

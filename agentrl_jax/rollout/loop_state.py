@@ -1,10 +1,11 @@
 """The agent loop's options, counters and state: what ``AgentLoop``'s phases read and change.
 
 :class:`LoopOptions` is the frozen description of a rollout (slots, turn and token limits,
-batching mode, page pool, eviction, disaggregation, logging). :class:`LoopState` holds what
+batching mode, page pools, eviction, disaggregation, logging). :class:`LoopState` holds what
 changes while it runs: the episodes in their slots, the queue of tasks and preempted episodes,
-the finished records and per-turn logs, the page pool, the sampler's device state, the host
-mirrors of the recorded KV eviction / int8 positions, and the :class:`RolloutStats` counters.
+the finished records and per-turn logs, the float and int8 page pools and the price of their
+pages, the sampler's device state, the host mirrors of the recorded KV eviction / int8
+positions, and the :class:`RolloutStats` counters.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ import collections
 import dataclasses
 from collections.abc import Mapping
 
+import jax.numpy as jnp
 import numpy as np
 
 from agentrl_jax.envs.base import Env
+from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.rollout.disaggregation import Disaggregation
-from agentrl_jax.rollout.kv_cache import EvictionConfig, PagePool
-from agentrl_jax.rollout.sampler import NEVER, DecodeState
-from agentrl_jax.rollout.trajectory import EpisodeRecord
+from agentrl_jax.rollout.kv_cache import EvictionConfig, KVLayout, PagePool
+from agentrl_jax.rollout.sampler import NEVER, DecodeState, SamplingConfig
+from agentrl_jax.rollout.trajectory import EpisodeRecord, Trajectory, stack_episodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +35,12 @@ class LoopOptions:
       max_turns: model turns per episode (>= 1).
       max_tokens: tokens per episode (None: the sampler's ``max_len``, also the cap).
       continuous: refill/step slots individually (True) or in lockstep waves (False).
-      n_pages: shared KV page pool size (None: every slot owns ``max_len`` worth of pages).
+      n_pages: shared KV page pool size (None: the sampling config's ``n_pages``, or every slot
+        owns ``max_len`` worth of pages).
       page_budget: pages the allocator may use out of ``n_pages`` (None: all).
+      int8_pages: int8 page pool size with int8 eviction and a shared pool (None: the sampling
+        config's ``int8_pages``, else ``n_pages``; 0: no int8 pool, int8 pages stay in the float
+        pool as their round-tripped values).
       goal_every: if > 0, after every ``goal_every``-th turn the prompt (without ``<bos>``) is
         appended again as environment tokens.
       process_weights: (key, weight) pairs per process-signal key (a missing key weighs 1.0);
@@ -58,6 +65,7 @@ class LoopOptions:
     continuous: bool = True
     n_pages: int | None = None
     page_budget: int | None = None
+    int8_pages: int | None = None
     goal_every: int = 0
     process_weights: tuple[tuple[str, float], ...] = ()
     eviction: EvictionConfig | None = None
@@ -74,10 +82,54 @@ class LoopOptions:
             raise ValueError(f"LoopOptions.goal_every={self.goal_every} must be >= 0")
         if self.first_uid < 0:
             raise ValueError(f"LoopOptions.first_uid={self.first_uid} must be >= 0")
+        if self.int8_pages is not None and self.int8_pages < 0:
+            raise ValueError(f"LoopOptions.int8_pages={self.int8_pages} must be >= 0")
         weights = self.process_weights
         if isinstance(weights, Mapping) or weights is None:
             weights = (weights or {}).items()
         object.__setattr__(self, "process_weights", tuple(sorted(tuple(kv) for kv in weights)))
+
+
+def resolve_options(
+    options: LoopOptions | None, cfg: SamplingConfig, model_cfg: ModelConfig, n_tasks: int
+) -> tuple[LoopOptions, EvictionConfig | None, int]:
+    """The options a rollout of ``n_tasks`` runs with, its eviction policy and int8 pool size.
+
+    Unset options take their defaults: one slot per task, the sampling config's ``n_pages``,
+    the eviction policy of the sampling config's ``eviction_*`` fields; the int8 pool (int8
+    eviction with a shared pool only) has ``options.int8_pages``, else the sampling config's,
+    else ``n_pages`` pages. Returns (options, eviction or None when off, int8 pages or 0).
+
+    Raises:
+      ValueError: ``disaggregate`` with KV eviction, block records or a ``sparse_gather``
+        model.
+    """
+    options = options or LoopOptions()
+    if options.n_slots is None:
+        options = dataclasses.replace(options, n_slots=n_tasks)
+    if options.n_pages is None and cfg.n_pages is not None:
+        options = dataclasses.replace(options, n_pages=cfg.n_pages)
+    eviction = options.eviction
+    if eviction is None and cfg.eviction_threshold > 0:
+        eviction = EvictionConfig(
+            threshold=cfg.eviction_threshold,
+            int8=cfg.eviction_int8,
+            drop_threshold=cfg.eviction_drop_threshold,
+        )
+    if eviction is not None and eviction.threshold <= 0:
+        eviction = None
+    int8_pages = 0
+    if eviction is not None and eviction.int8 and options.n_pages is not None:
+        sizes = (options.int8_pages, cfg.int8_pages, options.n_pages)
+        int8_pages = next(x for x in sizes if x is not None)
+    if options.disaggregate is not None and (
+        eviction is not None or cfg.record_blocks or model_cfg.sparse_gather
+    ):
+        raise ValueError(
+            "disaggregate does not support KV eviction / int8 (eviction=...), block records "
+            "(record_blocks) or sparse_gather models"
+        )
+    return options, eviction, int8_pages
 
 
 @dataclasses.dataclass
@@ -92,6 +144,8 @@ class RolloutStats:
     preemptions: int = 0
     admission_waits: int = 0
     max_pages_in_use: int = 0
+    max_int8_pages_in_use: int = 0
+    max_kv_bytes: int = 0  # peak KV bytes of the live pools (pages in use x page bytes + rings)
     evicted_tokens: int = 0
     int8_tokens: int = 0
     kv_moved_bytes: int = 0
@@ -136,12 +190,14 @@ class LoopState:
       logs: one dict per model turn, in the order turns ended.
       pool: the shared page pool, or None (every slot owns its pages).
       decode: the sampler's ``DecodeState`` (on the decode sub-mesh when disaggregated).
+      layout: the bytes of a float page, an int8 page and a slot's rings in ``decode``.
       evict_at: int32 [slots, max_len] host mirror of ``decode.evict_at``.
       int8_at: int32 [slots, max_len] host mirror of ``decode.int8_at``.
       marks_dirty: the mirrors changed since they were last uploaded.
       mass: float32 [slots, max_len] attention mass read after the last decode, or None.
       admitted: episodes admitted so far (orders preemption: the youngest goes first).
       stats: the counters.
+      pool8: the int8 page pool, or None.
     """
 
     slots: list[EpisodeSlot | None]
@@ -150,12 +206,14 @@ class LoopState:
     logs: list[dict]
     pool: PagePool | None
     decode: DecodeState
+    layout: KVLayout
     evict_at: np.ndarray
     int8_at: np.ndarray
     stats: RolloutStats
     marks_dirty: bool = False
     mass: np.ndarray | None = None
     admitted: int = 0
+    pool8: PagePool | None = None
 
     @property
     def busy(self) -> bool:
@@ -181,44 +239,124 @@ class LoopState:
         self.admitted += 1
         self.slots[s] = slot
 
+    def upload_marks(self) -> None:
+        """Uploads the host mirrors of evict_at / int8_at when a decision changed them."""
+        if self.marks_dirty:
+            self.decode = self.decode._replace(
+                evict_at=jnp.asarray(self.evict_at), int8_at=jnp.asarray(self.int8_at)
+            )
+            self.marks_dirty = False
+
+    def stack(
+        self, cfg: SamplingConfig, route_shape, kv_masks: bool, block_size: int
+    ) -> Trajectory:
+        """The padded batch of the finished episodes (``stack_episodes``), padded to the
+        longest rounded up to the decode chunk, with the per-turn logs."""
+        done = [r for r in self.records if r is not None]
+        longest = max(len(r.tokens) for r in done)
+        pad_to = min(-(-longest // cfg.chunk) * cfg.chunk, max(cfg.max_len, longest))
+        blocks = None
+        if self.decode.blocks is not None:
+            blocks = (self.decode.blocks.shape[2:], block_size)
+        return stack_episodes(
+            done,
+            pad_to=pad_to,
+            route_shape=route_shape,
+            kv_masks=kv_masks,
+            logs=self.logs,
+            blocks=blocks,
+        )
+
+    def _vacate(self, s: int) -> None:
+        """Keeps the slot's block records and frees its pages in both pools."""
+        slot = self.slots[s]
+        if self.decode.blocks is not None and slot.cached > slot.rec.blocks_upto:
+            slot.rec.set_blocks(slot.cached, np.asarray(self.decode.blocks[s]))
+        self.slots[s] = None
+        for pool in (self.pool, self.pool8):
+            if pool is not None:
+                pool.release(s)
+
     def finish(self, s: int, *, truncated: bool) -> None:
         """Ends the episode of slot ``s`` (its record is final) and frees the slot."""
         slot = self.slots[s]
         slot.rec.truncated = truncated and not slot.rec.done
         self.records[slot.rec.task_index] = slot.rec
-        self.slots[s] = None
-        if self.pool is not None:
-            self.pool.release(s)
+        self._vacate(s)
 
     def preempt(self, s: int) -> None:
         """Sends the episode of slot ``s`` back to the front of the queue (to be re-prefilled)."""
         slot = self.slots[s]
+        self._vacate(s)
         slot.cached = 0
         self.queue.appendleft(slot)
-        self.slots[s] = None
-        if self.pool is not None:
-            self.pool.release(s)
         self.stats.preemptions += 1
 
-    def pending_tokens(self) -> np.ndarray:
-        """int32 [slots] stream tokens each slot has not cached yet, with the pages to cache
-        them taken: a slot that cannot grow preempts the youngest other slots (or itself when
-        it is alone); preempted slots count 0."""
+    def slot_kv(self, s: int) -> dict[str, int]:
+        """Slot ``s``'s KV memory on the live pools: its float and int8 pages and their bytes
+        (a slot without a shared pool holds ``max_len`` worth of float pages)."""
+        if self.pool is not None:
+            float_pages = self.pool.owned(s)
+        else:
+            float_pages = int(self.decode.cache["block_tables"].shape[1])
+        int8_pages = self.pool8.owned(s) if self.pool8 is not None else 0
+        return dict(
+            pages_in_use=float_pages,
+            int8_pages_in_use=int8_pages,
+            kv_bytes=self.layout.slot_bytes(float_pages, int8_pages),
+            kv_bytes_float=float_pages * self.layout.float_page,
+            kv_bytes_int8=int8_pages * self.layout.int8_page,
+        )
+
+    def note_memory(self) -> None:
+        """Updates the peak counters from the pools in use now."""
+        st, n = self.stats, len(self.slots)
+        if self.pool is not None:
+            float_pages = self.pool.in_use
+        else:
+            float_pages = int(self.decode.cache["block_tables"].size)
+        int8_pages = self.pool8.in_use if self.pool8 is not None else 0
+        st.max_pages_in_use = max(st.max_pages_in_use, float_pages)
+        st.max_int8_pages_in_use = max(st.max_int8_pages_in_use, int8_pages)
+        used = n * self.layout.per_slot + float_pages * self.layout.float_page
+        st.max_kv_bytes = max(st.max_kv_bytes, used + int8_pages * self.layout.int8_page)
+
+    def pending_tokens(self, partial: bool = False) -> np.ndarray:
+        """int32 [slots] stream tokens each slot caches next, with the pages to cache them taken:
+        a slot that cannot grow preempts the youngest other slots (or itself when it is alone);
+        preempted slots count 0. ``partial`` (KV eviction / int8 on): a slot short of pages
+        first takes what the pool has left (the rest waits for the pages its decisions free
+        once these tokens are cached), and a slot alone that cannot grow ends truncated."""
         n_new = np.asarray([0 if sl is None else sl.pending for sl in self.slots], np.int32)
         if not n_new.any():
             return n_new
         for s in np.nonzero(n_new)[0]:
             while self.pool is not None and self.slots[s] is not None:
-                if self.pool.ensure(s, int(self.slots[s].cached + n_new[s])):
+                cached = self.slots[s].cached
+                if self.pool.ensure(s, int(cached + n_new[s])):
                     break
-                victim = self.youngest(exclude=s)
-                self.preempt(victim if victim is not None else s)
+                room = self.pool.room(s, cached) if partial else 0
+                if room > 0:
+                    n_new[s] = min(int(n_new[s]), room)
+                    self.pool.ensure(s, int(cached + n_new[s]))
+                    break
+                self._make_room(s, partial)
         return np.asarray([0 if sl is None else n for sl, n in zip(self.slots, n_new)], np.int32)
 
-    def budgets(self, max_new_tokens: int, cap: int) -> np.ndarray:
+    def _make_room(self, s: int, partial: bool) -> None:
+        """Slot ``s`` cannot grow: preempts the youngest other slot; alone, preempts itself (or,
+        ``partial``, ends truncated: it would resume alone and stop at the same point)."""
+        victim = self.youngest(exclude=s)
+        if victim is None and partial:
+            self.finish(s, truncated=True)
+        else:
+            self.preempt(victim if victim is not None else s)
+
+    def budgets(self, max_new_tokens: int, cap: int, partial: bool = False) -> np.ndarray:
         """int32 [slots] tokens each generating slot may emit in the next decode call (at most
         ``max_new_tokens`` per turn, ``cap`` per episode), with their pages taken: a slot short
-        of pages gets what the pool has left, else preempts the youngest other slots."""
+        of pages gets what the pool has left, else preempts the youngest other slots
+        (``partial``: as :meth:`pending_tokens`)."""
         budget = np.zeros(len(self.slots), np.int32)
         for s in range(len(self.slots)):
             sl = self.slots[s]
@@ -233,9 +371,10 @@ class LoopState:
                     self.pool.ensure(s, sl.stream_len + room)
                     budget[s] = room
                     break
-                victim = self.youngest(exclude=s)
-                self.preempt(victim if victim is not None else s)
-                if victim is None:
+                alone = self.youngest(exclude=s) is None
+                self._make_room(s, partial)
+                if alone:
+                    budget[s] = 0
                     break
         return budget
 

@@ -7,7 +7,9 @@
   * otherwise the plain teacher-forced pass (fast; its mismatch is measured, not zero).
 With ``replay_kv`` the recorded KV eviction (``Trajectory.kv_evict_at``) and int8 decisions
 (``Trajectory.kv_int8_at``) are applied chunk by chunk, so a compressed rollout stays on-policy;
-without it training sees the full-precision, full context.
+without it training sees the full-precision, full context. With ``replay_blocks`` every sparse
+full-attention layer attends to the blocks the rollout selected (``Trajectory.sparse_blocks``),
+in either path.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def rollout_aligned_logprobs(
     evict_at: jax.Array | None = None,
     int8_at: jax.Array | None = None,
     replay_routes: jax.Array | None = None,
+    replay_blocks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Jittable, differentiable logprobs of ``tokens`` as training computes them, aligned with
     the tokens as ``Trajectory.rollout_logprobs`` is.
@@ -51,6 +54,7 @@ def rollout_aligned_logprobs(
       evict_at: optional int32 [B, T] recorded KV evictions (parity only).
       int8_at: optional int32 [B, T] recorded int8 KV decisions (parity only).
       replay_routes: optional int32 [B, T, L_moe, k] routing replay.
+      replay_blocks: optional int32 [B, T, L_F, K, n] sparse block replay.
 
     Returns:
       (logp f32 [B, T], logp[:, 0] = 0, routes int32 [B, T, L_moe, k] or None).
@@ -73,6 +77,7 @@ def rollout_aligned_logprobs(
         evict_at=evict_at,
         int8_at=int8_at,
         replay_routes=replay_routes,
+        replay_blocks=replay_blocks,
         chunk_spec=spec,
         with_entropy=False,
     )
@@ -84,7 +89,7 @@ def _logprob_fn(model_cfg, policy: DTypePolicy, sampling_cfg: SamplingConfig | N
     model = Transformer(model_cfg, policy)
 
     @jax.jit
-    def fn(params, tokens, evict_at, int8_at):
+    def fn(params, tokens, evict_at, int8_at, blocks):
         return rollout_aligned_logprobs(
             model,
             params,
@@ -92,6 +97,7 @@ def _logprob_fn(model_cfg, policy: DTypePolicy, sampling_cfg: SamplingConfig | N
             sampling_cfg,
             evict_at=evict_at if replay else None,
             int8_at=int8_at if replay == "int8" else None,
+            replay_blocks=blocks,
         )
 
     return fn
@@ -106,6 +112,7 @@ def trainer_logprobs(
     *,
     n_slots: int | None = None,
     replay_kv: bool = False,
+    replay_blocks: bool = False,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Teacher-forced logprobs of ``traj.tokens`` in the rollout's layout.
 
@@ -117,6 +124,7 @@ def trainer_logprobs(
       n_slots: the sampler's batch size (default B); parity runs micro-batches of this size.
       replay_kv: apply the recorded ``kv_evict_at`` and, when the trajectory has int8 decisions,
         ``kv_int8_at`` (parity path only).
+      replay_blocks: attend to the recorded ``sparse_blocks`` (either path).
 
     Returns:
       (logp float32 [B, T] with logp[:, t] = log p(tokens[:, t] | tokens[:, :t]) and 0 at
@@ -124,7 +132,8 @@ def trainer_logprobs(
 
     Raises:
       ValueError: parity without ``sampling_cfg``, T not a multiple of the chunk or above
-        ``max_len``, or ``replay_kv`` without recorded masks or without parity.
+        ``max_len``, ``replay_kv`` without recorded masks or without parity, or
+        ``replay_blocks`` without recorded blocks.
     """
     policy = policy or model.policy
     tokens = np.asarray(traj.tokens, np.int32)
@@ -137,6 +146,8 @@ def trainer_logprobs(
             raise ValueError(f"traj length {t} must be a multiple of chunk={c} and <= {m}")
     if replay_kv and (traj.kv_evict_at is None or not policy.parity):
         raise ValueError("replay_kv needs traj.kv_evict_at and a parity policy")
+    if replay_blocks and traj.sparse_blocks is None:
+        raise ValueError("replay_blocks needs traj.sparse_blocks (SamplingConfig.record_blocks)")
     never = np.full((b, t), NEVER, np.int32)
     evict = np.asarray(traj.kv_evict_at, np.int32) if replay_kv else never
     int8 = never
@@ -145,13 +156,18 @@ def trainer_logprobs(
     replay = "int8" if int8 is not never else bool(replay_kv)
     fn = _logprob_fn(model.cfg, policy, sampling_cfg if policy.parity else None, replay)
     mb = b if (n_slots is None or not policy.parity) else n_slots
+    blocks = np.asarray(traj.sparse_blocks, np.int32) if replay_blocks else None
     outs, routes = [], []
     for lo in range(0, b, mb):
-        tk, ev, i8 = tokens[lo : lo + mb], evict[lo : lo + mb], int8[lo : lo + mb]
-        n = tk.shape[0]
+        rows = [a[lo : lo + mb] for a in (tokens, evict, int8)]
+        rows.append(None if blocks is None else blocks[lo : lo + mb])
+        n = rows[0].shape[0]
         if n < mb:  # pad the last micro-batch with copies of row 0 (same shapes, discarded)
-            tk, ev, i8 = (np.concatenate([a, np.repeat(a[:1], mb - n, 0)]) for a in (tk, ev, i8))
-        lp, rt = fn(params, tk, ev, i8)
+            rows = [
+                None if a is None else np.concatenate([a, np.repeat(a[:1], mb - n, 0)])
+                for a in rows
+            ]
+        lp, rt = fn(params, *rows)
         outs.append(np.asarray(lp)[:n])
         if rt is not None:
             routes.append(np.asarray(rt)[:n])

@@ -15,8 +15,17 @@ decode feeds one row per step to a model built with ``decode_kernel=True``, so F
 through ``agentrl_jax.kernels.paged_decode_attention`` (impl from ``policy.kernel_impl``: XLA on
 CPU, Pallas on GPU/TPU) reading the page pool and block tables directly; S layers keep their ring
 buffers. Tokens and logprobs equal the chunk path's up to fp32 reduction order (tested). When
-the state tracks attention mass for KV eviction (``init_state(track_mass=True)``) decode uses
-the chunk path (the kernel returns no probabilities). Parity policies always use the chunk path.
+the state tracks attention mass for KV eviction (``init_state(track_mass=True)``) or has an int8
+pool, decode uses the chunk path (the kernel returns no probabilities). Parity policies always
+use the chunk path.
+
+int8 pool (``init_state(int8_pages=...)``): F/D layers get a second pool of int8 pages with its
+own block tables (``cache['int8_tables']``, filled by the agent loop); pages whose tokens are all
+int8 are stored there and their float pages freed (``rollout.kv_cache``), with the same numbers.
+
+Block records (``SamplingConfig.record_blocks``): every F layer's block selection of every
+computed token (prefill and decode) is kept in ``DecodeState.blocks`` by position, for the agent
+loop to copy into the trajectory (``Trajectory.sparse_blocks``) and the trainer to replay.
 
 Prefill of a few slots: the agent loop calls :meth:`Sampler.prefill_slots`, which computes only
 the slots with new tokens (a tool output usually arrives for one or a few of them) instead of
@@ -40,7 +49,6 @@ scheduling (preempted and re-prefilled sequences resample the same tokens).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -52,74 +60,7 @@ from agentrl_jax.model.chunked import NEVER, fixed_order_logprobs
 from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache
 from agentrl_jax.rollout import slots
 from agentrl_jax.rollout.cache_sharding import place_decode_state
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-    """How tokens are sampled and how the cache is shaped (hashable: a static jit argument).
-
-    Attributes:
-      temperature: softmax temperature (> 0) of the sampling distribution.
-      top_p: nucleus mass in (0, 1]; 1 disables.
-      top_k: keep the k most likely tokens; 0 disables.
-      greedy: argmax instead of sampling (temperature/top-k/top-p ignored).
-      max_new_tokens: most tokens generated per model turn.
-      stop_tokens: ids that end a turn (the stop token is kept and cached); empty -> the agent
-        loop uses the tokenizer's ``</call>``, ``<eot>``, ``<eos>``.
-      chunk: decode chunk rows C (>= 1; parity policies need the trainer's chunk, default 4).
-      prefill_chunk: prefill chunk rows Cp; None -> ``chunk`` (parity policies always use chunk).
-      page_size: KV page size (a multiple of the model's ``sparse_block_size``).
-      max_len: cache capacity per sequence (tokens).
-      decode_kernel: decode one row per step through the paged decode kernel under non-parity
-        policies (module docstring); ignored under parity policies.
-      eviction_threshold: KV eviction of finished tool outputs (``kv_cache.EvictionConfig``
-        threshold, in [0, 1]; 0 disables): the agent loop's default when it is given no
-        ``eviction`` (so ``agentrl train`` sets it as ``rollout.eviction_threshold``).
-      eviction_int8: with ``eviction_threshold``: move those tokens' K/V to int8 instead.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    greedy: bool = False
-    max_new_tokens: int = 64
-    stop_tokens: tuple[int, ...] = ()
-    chunk: int = 4
-    prefill_chunk: int | None = None
-    page_size: int = 16
-    max_len: int = 512
-    decode_kernel: bool = True
-    eviction_threshold: float = 0.0
-    eviction_int8: bool = False
-
-    def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"SamplingConfig.temperature={self.temperature} must be > 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingConfig.top_p={self.top_p} must be in (0, 1]")
-        for field, lo in (("top_k", 0), ("max_new_tokens", 1), ("chunk", 1), ("page_size", 1)):
-            v = getattr(self, field)
-            if not isinstance(v, int) or v < lo:
-                raise ValueError(f"SamplingConfig.{field}={v!r} must be an int >= {lo}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ValueError(f"SamplingConfig.prefill_chunk={self.prefill_chunk} must be >= 1")
-        if self.max_len < self.chunk or self.max_len % self.page_size:
-            raise ValueError(
-                f"SamplingConfig.max_len={self.max_len} must be >= chunk={self.chunk} and a "
-                f"multiple of page_size={self.page_size}"
-            )
-        if not 0.0 <= self.eviction_threshold <= 1.0:
-            raise ValueError(
-                f"SamplingConfig.eviction_threshold={self.eviction_threshold} must be in [0, 1]"
-            )
-        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
-
-    def prefill_rows(self, parity: bool) -> int:
-        """Prefill chunk rows actually used (``chunk`` under a parity policy)."""
-        return self.chunk if parity or self.prefill_chunk is None else self.prefill_chunk
-
-    def replace(self, **changes) -> SamplingConfig:
-        return dataclasses.replace(self, **changes)
+from agentrl_jax.rollout.sampling_config import SamplingConfig  # noqa: F401 - re-exported
 
 
 class DecodeState(NamedTuple):
@@ -132,12 +73,15 @@ class DecodeState(NamedTuple):
         is no longer visible in full/sparse layers (``int32 max`` = never evicted).
       int8_at: int32 [B, S] per cached position, the chunk-aligned position from which its K/V
         in full/sparse layers are int8 (``int32 max`` = never; see ``model.attention``).
+      blocks: int32 [B, S, L_F, K, n_sel] block selection of the token at each position, per F
+        layer and kv head (-1 unused), or None (``record_blocks`` off).
     """
 
     cache: dict
     logits: jax.Array
     evict_at: jax.Array
     int8_at: jax.Array
+    blocks: jax.Array | None = None
 
 
 class DecodeOut(NamedTuple):
@@ -225,11 +169,15 @@ class Sampler:
                 f"SamplingConfig.page_size={cfg.page_size} must be a multiple of "
                 f"sparse_block_size={mcfg.sparse_block_size}"
             )
-        self.model, self.cfg = model, cfg
+        record = cfg.record_blocks and "F" in mcfg.layer_pattern
+        self.model = model.clone(record_blocks=True) if record else model
+        self.cfg = cfg
         self.prefill_rows = cfg.prefill_rows(model.policy.parity)
         self.is_moe = mcfg.is_moe
         self.kernel_decode = cfg.decode_kernel and not model.policy.parity
-        self.decode_model = Transformer(mcfg, model.policy, decode_kernel=True)
+        self.decode_model = Transformer(
+            mcfg, model.policy, decode_kernel=True, record_blocks=record
+        )
         self.prefill = jax.jit(self._prefill, donate_argnums=1)
         self.prefill_rows_of = jax.jit(self._prefill_rows_of, donate_argnums=1)
         copy = functools.partial(slots.copy_slots, pattern=mcfg.layer_pattern)
@@ -238,15 +186,21 @@ class Sampler:
 
     # State ----------------------------------------------------------------------------------
     def init_state(
-        self, batch: int, n_pages: int | None = None, *, track_mass: bool = False
+        self,
+        batch: int,
+        n_pages: int | None = None,
+        *,
+        track_mass: bool = False,
+        int8_pages: int = 0,
     ) -> DecodeState:
         """Empty state of ``batch`` slots (shared pool of ``n_pages`` pages if given), placed
         on the ambient mesh if there is one (``rollout.cache_sharding``).
 
         ``track_mass``: F/D layers accumulate the attention mass each cached position gets
         (:meth:`attention_mass`, needed by KV eviction; decode then uses the chunk path).
+        ``int8_pages``: F/D layers get an int8 pool of that many pages (module docstring).
         """
-        spec = CacheSpec(batch, self.cfg.max_len, self.cfg.page_size, n_pages)
+        spec = CacheSpec(batch, self.cfg.max_len, self.cfg.page_size, n_pages, int8_pages)
         cache = init_cache(self.model.cfg, self.model.policy, spec)
         layers = {}
         for name, layer in cache["layers"].items():
@@ -255,11 +209,19 @@ class Sampler:
                 layer = {**layer, "mass": jnp.zeros((layer["k"].shape[0], batch, spec.max_len))}
             layers[name] = layer
         cache["layers"] = layers
+        blocks = None
+        if self.model.record_blocks:
+            mcfg = self.model.cfg
+            n_f = mcfg.layer_counts()["F"]
+            n_sel = min(mcfg.sparse_topk_blocks, spec.max_len // mcfg.sparse_block_size)
+            shape = (batch, spec.max_len, n_f, mcfg.n_kv_heads, n_sel)
+            blocks = jnp.full(shape, -1, jnp.int32)
         state = DecodeState(
             cache=cache,
             logits=jnp.zeros((batch, self.model.cfg.vocab_size), jnp.float32),
             evict_at=jnp.full((batch, self.cfg.max_len), NEVER, jnp.int32),
             int8_at=jnp.full((batch, self.cfg.max_len), NEVER, jnp.int32),
+            blocks=blocks,
         )
         # Under an ambient mesh: slots over data, KV heads over tensor (``cache_sharding``).
         return place_decode_state(state)
@@ -269,10 +231,12 @@ class Sampler:
         counts = self.model.cfg.layer_counts()
         return counts["F"] + counts["D"]
 
-    def reset_slots(self, state: DecodeState, mask, block_tables=None) -> DecodeState:
-        """Empties the slots where ``mask`` (bool [B]) is set; optionally new block tables
-        (``slots.reset_slots``)."""
-        return slots.reset_slots(state, mask, block_tables)
+    def reset_slots(
+        self, state: DecodeState, mask, block_tables=None, int8_tables=None
+    ) -> DecodeState:
+        """Empties the slots where ``mask`` (bool [B]) is set; optionally new block tables of
+        the float and int8 pools (``slots.reset_slots``)."""
+        return slots.reset_slots(state, mask, block_tables, int8_tables)
 
     @staticmethod
     def tracks_mass(state: DecodeState) -> bool:
@@ -281,7 +245,9 @@ class Sampler:
 
     def uses_decode_kernel(self, state: DecodeState) -> bool:
         """Whether :meth:`decode` on ``state`` goes through the paged decode kernel."""
-        return self.kernel_decode and not self.tracks_mass(state)
+        return (
+            self.kernel_decode and not self.tracks_mass(state) and "int8_tables" not in state.cache
+        )
 
     @staticmethod
     def attention_mass(state: DecodeState) -> jax.Array:
@@ -318,7 +284,7 @@ class Sampler:
         )
 
         def body(j, carry):
-            cache, last, routes = carry
+            cache, last, routes, blocks = carry
             off = jnp.where(j == 0, 0, first + (j - 1) * cp)  # [B]
             cnt = jnp.where(j == 0, first, cp)
             idx = off[:, None] + jnp.arange(cp)  # [B, Cp]
@@ -331,18 +297,21 @@ class Sampler:
             row = jnp.maximum(n_val - 1, 0)
             lg = jnp.take_along_axis(logits, row[:, None, None], axis=1)[:, 0]
             last = jnp.where((n_val > 0)[:, None], lg, last)
+            bi = jnp.broadcast_to(jnp.arange(b)[:, None], (b, cp))
             if routes is not None:
-                bi = jnp.broadcast_to(jnp.arange(b)[:, None], (b, cp))
                 dst = jnp.where(val, idx, tp + cp)  # invalid rows dropped
                 routes = routes.at[bi, dst].set(extras["routes"], mode="drop")
-            return _strip_keep(cache), last, routes
+            if blocks is not None:  # by absolute position
+                dst = jnp.where(val, start[:, None] + idx, blocks.shape[1])
+                blocks = blocks.at[bi, dst].set(extras["blocks"], mode="drop")
+            return _strip_keep(cache), last, routes, blocks
 
-        cache, last, routes = jax.lax.fori_loop(
-            0, n_chunks, body, (state.cache, state.logits, routes0)
+        cache, last, routes, blocks = jax.lax.fori_loop(
+            0, n_chunks, body, (state.cache, state.logits, routes0, state.blocks)
         )
         if routes is not None:
             routes = routes[:, :tp]
-        return state._replace(cache=cache, logits=last), routes
+        return state._replace(cache=cache, logits=last, blocks=blocks), routes
 
     def _prefill_rows_of(self, params, state: DecodeState, rows, tokens, n_new):
         """:meth:`_prefill` of the slots ``rows`` only: the others are not computed at all.
@@ -470,6 +439,11 @@ class Sampler:
             count = count + live.astype(jnp.int32)
             ended = jnp.any(tok[:, None] == stops[None, :], axis=1) | (count >= budget)
             st = st._replace(cache=_strip_keep(cache), logits=new_logits)
+            if st.blocks is not None:
+                dst = jnp.where(live, pos, st.blocks.shape[1])
+                st = st._replace(
+                    blocks=st.blocks.at[jnp.arange(b), dst].set(extras["blocks"][:, 0], mode="drop")
+                )
             return i + 1, st, live & ~ended, count, out_tok, out_lp, out_rt
 
         _, state, live_end, count, out_tok, out_lp, out_rt = jax.lax.while_loop(cond, body, init)

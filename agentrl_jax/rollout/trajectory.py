@@ -21,10 +21,17 @@ Layout (B episodes padded to T tokens; numpy arrays from the rollout, any array 
   kv_keep_mask      bool  [B, T] or None: ``kv_evict_at == int32 max`` (token never evicted)
   kv_int8_mask      bool  [B, T] or None: token's K/V pages were moved to int8 (per-page scales)
   kv_int8_at        int32 [B, T] or None: the chunk-aligned position from which it was int8
+  sparse_blocks     int32 [B, T, L_F, K, n] or None: the key blocks each F layer's query at
+                                  each position attended to, per kv head (-1 unused; positions
+                                  never computed keep only their own block). Replayed in training
+                                  (``rl.use_block_replay``)
 
 ``logs`` (host only, dropped by jax tree operations so a jitted trainer never retraces on it):
 one dict per model turn with ``episode``, ``turn``, ``tool``, ``args``, ``output``, ``error``,
-``pages_in_use``, ``kv_bytes``, ``tokens_so_far``, ``new_tokens``, ``prefill_tokens``.
+``tokens_so_far``, ``new_tokens``, ``prefill_tokens`` and the episode's KV memory measured on
+the live pools at that moment: ``pages_in_use`` / ``int8_pages_in_use`` (its pages in the float
+/ int8 pool), ``kv_bytes`` (those pages x page bytes + its rings), ``kv_bytes_float``,
+``kv_bytes_int8``, and ``pool_pages_in_use`` / ``int8_pool_pages_in_use`` over all slots.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ ARRAY_FIELDS = (
     "kv_keep_mask",
     "kv_int8_mask",
     "kv_int8_at",
+    "sparse_blocks",
 )
 
 
@@ -77,6 +85,7 @@ class Trajectory:
     kv_keep_mask: Any = None
     kv_int8_mask: Any = None
     kv_int8_at: Any = None
+    sparse_blocks: Any = None
     logs: tuple = ()
 
     @property
@@ -175,6 +184,8 @@ class EpisodeRecord:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     routes: np.ndarray | None = None  # [capacity, L_moe, k], written by position
     routes_upto: int = 0  # routes of tokens before this index are final
+    blocks: np.ndarray | None = None  # [capacity, L_F, K, n] sparse block records by position
+    blocks_upto: int = 0  # block records of tokens before this index are final
     process: dict[int, float] = dataclasses.field(default_factory=dict)
     evict_at: dict[int, int] = dataclasses.field(default_factory=dict)
     int8_at: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -191,10 +202,24 @@ class EpisodeRecord:
         self.turn_ids += [turn] * len(toks)
         self.logprobs += [0.0] * len(toks) if logprobs is None else [float(x) for x in logprobs]
 
+    def set_blocks(self, upto: int, blocks: np.ndarray) -> None:
+        """Block records of positions ``blocks_upto .. upto - 1`` from a slot's device record
+        ``blocks`` [S, L_F, K, n] (earlier positions keep what was recorded first)."""
+        if self.blocks is not None and upto > self.blocks_upto:
+            self.blocks[self.blocks_upto : upto] = blocks[self.blocks_upto : upto]
+            self.blocks_upto = upto
+
     def set_routes(self, start: int, routes: np.ndarray) -> None:
         """Routes of tokens ``start .. start + len(routes) - 1`` (MoE)."""
         if self.routes is not None and len(routes):
             self.routes[start : start + len(routes)] = routes
+
+
+def own_blocks(capacity: int, shape: tuple[int, int, int], block_size: int) -> np.ndarray:
+    """int32 [capacity, L_F, K, n] block records that select only each position's own block."""
+    out = np.full((capacity, *shape), -1, np.int32)
+    out[..., 0] = (np.arange(capacity) // block_size)[:, None, None]
+    return out
 
 
 def weighted_process(signals: dict[str, float], weights: dict[str, float]) -> float:
@@ -231,8 +256,12 @@ def stack_episodes(
     route_shape: tuple[int, int] | None = None,
     kv_masks: bool = False,
     logs: tuple = (),
+    blocks: tuple[tuple[int, int, int], int] | None = None,
 ) -> Trajectory:
     """Pads finished episode records into a :class:`Trajectory` (rows in record order).
+
+    ``blocks``: ((L_F, K, n), block size) to stack the records' sparse block records (padding
+    positions select their own block), or None.
 
     Raises:
       ValueError: if ``pad_to`` is shorter than the longest episode.
@@ -252,6 +281,9 @@ def stack_episodes(
     never = np.iinfo(np.int32).max
     evict = np.full((b, t), never, np.int32) if kv_masks else None
     int8 = np.full((b, t), never, np.int32) if kv_masks else None
+    blk = None
+    if blocks is not None:
+        blk = np.broadcast_to(own_blocks(t, *blocks), (b, t, *blocks[0])).copy()
     for i, r in enumerate(records):
         n = len(r.tokens)
         tokens[i, :n] = r.tokens
@@ -263,6 +295,8 @@ def stack_episodes(
             proc[i, pos] += v
         if routes is not None and r.routes is not None:
             routes[i, :n] = r.routes[:n]
+        if blk is not None and r.blocks is not None:
+            blk[i, :n] = r.blocks[:n]
         if kv_masks:
             for pos, e in r.evict_at.items():
                 evict[i, pos] = e
@@ -285,6 +319,7 @@ def stack_episodes(
         kv_keep_mask=None if evict is None else evict == never,
         kv_int8_mask=None if int8 is None else int8 != never,
         kv_int8_at=int8,
+        sparse_blocks=blk,
         logs=tuple(logs),
     )
 
@@ -310,12 +345,14 @@ def _pad_value(key: str, a: np.ndarray):
         return -1
     if key.startswith("kv_") and a.dtype == np.int32:
         return NEVER
+    if key == "sparse_blocks":
+        return -1
     return 0
 
 
 def concat_rows(parts: list[Rows], length: int) -> Rows:
-    """Concatenates row dicts along the batch, padding time to ``length`` (``turn_ids`` with -1,
-    the int32 KV marks with ``NEVER``, everything else with 0).
+    """Concatenates row dicts along the batch, padding time to ``length`` (``turn_ids`` and
+    ``sparse_blocks`` with -1, the int32 KV marks with ``NEVER``, everything else with 0).
 
     Raises:
       ValueError: a part longer than ``length``.

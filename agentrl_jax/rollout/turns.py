@@ -1,21 +1,27 @@
 """What the host does when a model turn ends: the end test, the turn's log record, the
-episode's outcome, and KV eviction / int8 decisions over finished observation blocks.
+episode's outcome, KV eviction / int8 decisions over finished observation blocks, and giving
+back the pages those decisions empty.
 
 Eviction (``kv_cache.EvictionConfig``): after a model turn, an observation block followed by at
 least one later model turn whose attention mass from the tokens after it (summed over F/D layers,
 per later token) is under ``threshold`` is evicted, or moved to int8, from the next
 prefill-chunk-aligned position on. The decision is recorded per token in the episode record and
 in the loop's host mirrors (uploaded before the next device call), so training replays it.
+
+Pages (:func:`assign_int8`, :func:`reclaim`): a page whose tokens are all int8 gets an int8
+page when the int8 pool has one; a float page goes back to the pool once every token on it is
+evicted and no later chunk sees it (cached length >= the decision position), or is int8 with an
+int8 page and converted (cached length > the decision position).
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from agentrl_jax.envs.base import StepResult
-from agentrl_jax.model.config import ModelConfig
-from agentrl_jax.precision import DTypePolicy
-from agentrl_jax.rollout.kv_cache import EvictionConfig, kv_bytes_per_seq
+from agentrl_jax.rollout.kv_cache import EvictionConfig
 from agentrl_jax.rollout.loop_state import EpisodeSlot, LoopState
-from agentrl_jax.rollout.sampler import SamplingConfig
+from agentrl_jax.rollout.sampler import NEVER, SamplingConfig
 from agentrl_jax.rollout.trajectory import EpisodeRecord
 
 
@@ -29,30 +35,19 @@ def turn_ended(slot: EpisodeSlot, cfg: SamplingConfig, cap: int) -> bool:
     )
 
 
-def record_kv_bytes(
-    rec: EpisodeRecord, model_cfg: ModelConfig, policy: DTypePolicy, page_size: int
-) -> int:
-    """KV bytes of ``rec``'s tokens, counting the int8 decisions in effect at its length."""
-    n = len(rec.tokens)
-    q8 = [p for p, at in rec.int8_at.items() if at <= n]
-    pages = len({p // page_size for p in q8})
-    return kv_bytes_per_seq(model_cfg, policy, n, page_size, len(q8), int8_pages=pages)
-
-
 def turn_log(
     state: LoopState,
     s: int,
     action: list[int],
     res: StepResult,
     *,
-    kv_bytes: int,
-    page_size: int,
     prefill_tokens: int,
     goal_reinjected: bool,
 ) -> dict:
-    """The log record of slot ``s``'s turn that just ended (one JSONL line per turn); takes the
-    KV bytes it moved between sub-meshes since the last record."""
-    slot, pool = state.slots[s], state.pool
+    """The log record of slot ``s``'s turn that just ended (one JSONL line per turn), with the
+    episode's KV memory on the live pools (``LoopState.slot_kv``); takes the KV bytes it moved
+    between sub-meshes since the last record."""
+    slot, pool, pool8 = state.slots[s], state.pool, state.pool8
     rec = slot.rec
     slot.moved, moved = 0, slot.moved
     return dict(
@@ -63,9 +58,9 @@ def turn_log(
         output=res.log.get("output", ""),
         error=bool(res.log.get("error", False)),
         process=dict(res.process),
-        pages_in_use=pool.owned(s) if pool else -(-len(rec.tokens) // page_size),
+        **state.slot_kv(s),
         pool_pages_in_use=pool.in_use if pool else None,
-        kv_bytes=kv_bytes,
+        int8_pool_pages_in_use=pool8.in_use if pool8 else None,
         kv_moved_bytes=moved,
         int8_tokens=sum(at <= len(rec.tokens) for at in rec.int8_at.values()),
         tokens_so_far=len(rec.tokens),
@@ -94,38 +89,73 @@ def evict_blocks(
     n_paged_layers: int,
 ) -> None:
     """Evicts (or, with ``eviction.int8``, moves to int8) the finished observation blocks of
-    slot ``s`` that later tokens barely attend (module docstring).
+    slot ``s`` that later tokens barely attend (module docstring), gives int8 pages to pages now
+    all int8 and frees the pages earlier decisions emptied.
 
     Args:
-      state: the loop state (slot, pool, host mirrors, counters; ``marks_dirty`` is set when a
+      state: the loop state (slot, pools, host mirrors, counters; ``marks_dirty`` is set when a
         decision is taken).
       s: the slot; everything in its record is cached.
       mass: float32 [max_len] attention mass each cached position of the slot received.
       eviction: the policy.
       chunk: the sampler's prefill chunk rows (decisions take effect at multiples of it).
-      page_size: KV page size (whole evicted pages go back to the pool).
+      page_size: KV page size.
       n_paged_layers: F/D layers the mass is summed over.
     """
-    slot, pool = state.slots[s], state.pool
+    slot = state.slots[s]
     n = len(slot.rec.tokens)
     at = -(-n // chunk) * chunk  # first chunk-aligned position: takes effect there
     for block in slot.blocks:
         lo, hi, done = block
-        if done:
-            if block[2] <= n and pool is not None and not eviction.int8:  # invisible: free pages
-                pool.release_pages(s, range(-(-lo // page_size), hi // page_size))
-            continue
-        if hi - lo < eviction.min_block or n <= hi:
+        if done or hi - lo < eviction.min_block or n <= hi:
             continue
         share = float(mass[lo:hi].sum()) / (n_paged_layers * (n - hi))
-        if share < eviction.threshold:
-            block[2] = at
-            (state.int8_at if eviction.int8 else state.evict_at)[s, lo:hi] = at
-            record = slot.rec.int8_at if eviction.int8 else slot.rec.evict_at
-            for pos in range(lo, hi):
-                record[pos] = at
-            if eviction.int8:
-                state.stats.int8_tokens += hi - lo
-            else:
-                state.stats.evicted_tokens += hi - lo
-            state.marks_dirty = True
+        if share >= eviction.threshold:
+            continue
+        int8 = eviction.int8 and share >= eviction.drop_threshold
+        block[2] = at
+        (state.int8_at if int8 else state.evict_at)[s, lo:hi] = at
+        record = slot.rec.int8_at if int8 else slot.rec.evict_at
+        for pos in range(lo, hi):
+            record[pos] = at
+        if int8:
+            state.stats.int8_tokens += hi - lo
+        else:
+            state.stats.evicted_tokens += hi - lo
+        state.marks_dirty = True
+    assign_int8(state, s, n, page_size)
+    reclaim(state, s, page_size)
+
+
+def _complete_pages(marks: np.ndarray, n: int, page_size: int) -> np.ndarray:
+    """int32 [n // L, L] marks of the complete pages of the first ``n`` positions."""
+    full = n // page_size
+    return marks[: full * page_size].reshape(full, page_size)
+
+
+def assign_int8(state: LoopState, s: int, n: int, page_size: int) -> None:
+    """Gives an int8 page to every complete page among slot ``s``'s first ``n`` positions whose
+    tokens are all int8 (while the int8 pool has free pages; the others stay float)."""
+    if state.pool8 is None:
+        return
+    pages = _complete_pages(state.int8_at[s], n, page_size)
+    for j in np.flatnonzero((pages != NEVER).all(axis=1)):
+        if not state.pool8.take(s, int(j)):
+            return
+
+
+def reclaim(state: LoopState, s: int, page_size: int) -> int:
+    """Frees slot ``s``'s float pages that no later chunk reads (module docstring); returns
+    how many."""
+    pool, slot = state.pool, state.slots[s]
+    if pool is None or slot is None:
+        return 0
+    cached = slot.cached
+    evicted = (_complete_pages(state.evict_at[s], cached, page_size) <= cached).all(axis=1)
+    gone = evicted
+    if state.pool8 is not None:
+        marks = _complete_pages(state.int8_at[s], cached, page_size)
+        has8 = state.pool8.tables[s, : len(marks)] >= 0
+        gone = gone | (has8 & (marks < cached).all(axis=1))
+    held = pool.tables[s, : len(gone)] >= 0
+    return pool.release_pages(s, np.flatnonzero(gone & held))

@@ -41,7 +41,6 @@ from agentrl_jax.rl.fallback import FallbackController
 from agentrl_jax.rl.state import rl_optimizer
 from agentrl_jax.rl.update import make_update_fn
 from agentrl_jax.rollout.agent_loop import run_episodes
-from agentrl_jax.rollout.kv_cache import kv_bytes_per_seq
 from agentrl_jax.rollout.trajectory import Rows, concat_rows, history_state_ids, select_rows
 from agentrl_jax.train import critic, reference
 from agentrl_jax.train.checkpoint import Checkpointer, stage_dir
@@ -62,6 +61,7 @@ UPDATE_KEYS = (
     "routes",
     "kv_evict_at",
     "kv_int8_at",
+    "sparse_blocks",
     "value_targets",
     "old_values",
 )
@@ -306,6 +306,7 @@ class RLRun:
         t0 = time.perf_counter()
         store: list[Rows] = []
         self._calls = [0, 0]
+        self._kv_peak = 0  # largest per-episode KV bytes on the live pools this step
         guidance = Guidance(
             self.loop, self.env, self.tokenizer, self.sampling.max_len, self.batch_size, self.play
         )
@@ -386,6 +387,7 @@ class RLRun:
                 for row in traj.logs:
                     f.write({"step": self._log_step, "attempt": self.attempt, **row})
         self._calls[0] += len(traj.logs)
+        self._kv_peak = max([self._kv_peak, *(r["kv_bytes"] for r in traj.logs)])
         self._calls[1] += sum(bool(r.get("error")) for r in traj.logs)
         return traj
 
@@ -440,8 +442,6 @@ class RLRun:
         sampled episode of the step, not only the batch's)."""
         rows = concat_rows(c.store, self.sampling.max_len)
         tokens = float(rows["valid"].sum())
-        peak_len = int(rows["valid"].sum(1).max())
-        active = self.controller.active
         out = dict(update)
         out.update(c.data_metrics)
         if "old_values" in batch:
@@ -459,9 +459,7 @@ class RLRun:
                 "update_s": update_s,
                 "rollout_tokens_per_s": tokens / max(c.seconds, 1e-9),
                 "update_tokens_per_s": float(batch["valid"].sum()) / max(update_s, 1e-9),
-                "kv_bytes_per_seq_peak": float(
-                    kv_bytes_per_seq(self.model_cfg, active, peak_len, self.sampling.page_size)
-                ),
+                "kv_bytes_per_seq_peak": float(self._kv_peak),
             }
         )
         if self.loop.guide_groups:

@@ -128,3 +128,46 @@ def test_int8_kv_policy_quantises_completed_pages():
     a, b = np.asarray(run(q8, params, toks)), np.asarray(run(bf, params, toks))
     np.testing.assert_array_equal(a[:, :8], b[:, :8])  # page 0 is quantised when page 1 starts
     assert np.abs(a[:, 8:] - b[:, 8:]).max() > 0
+
+
+def test_int8_pool_holds_the_codes_and_reads_back_the_float_round_trip():
+    """Pages that become all int8 get codes + scales in the int8 pool (numpy reference); reading
+    them from there gives bitwise the float pool's round-tripped values, also once the float
+    page is gone; partly-int8 pages and pages without an int8 page stay float."""
+    from agentrl_jax.model.paged import Int8Pool, int8_pages_read, read_pages, read_tokens
+
+    rng = np.random.default_rng(2)
+    page, n_pages, kh, h = 4, 6, 2, 3
+    pool_k = jnp.asarray(rng.normal(size=(n_pages, page, kh, h)), jnp.bfloat16)
+    pool_v = jnp.asarray(rng.normal(size=(n_pages, page, kh, h)), jnp.bfloat16)
+    tables = jnp.asarray([[2, 0, 5], [1, 4, 3]], jnp.int32)
+    int8_at = np.full((2, 12), NEVER, np.int32)
+    int8_at[0, 0:6] = 8  # row 0: page 0 all int8, page 1 half
+    int8_at[1, 4:8] = 8  # row 1: page 1 all int8, but no int8 page assigned
+    tables8 = jnp.asarray([[1, 0, -1], [-1, -1, -1]], jnp.int32)
+    zeros8 = jnp.zeros((3, page, kh, h), jnp.int8)
+    int8 = Int8Pool(zeros8, zeros8, jnp.zeros((3, kh)), jnp.zeros((3, kh)), tables8)
+    lengths, new_len = jnp.asarray([8, 8]), jnp.asarray([12, 12])
+    args = (pool_k, pool_v, tables, jnp.asarray(int8_at), lengths, new_len)
+    fk, fv = jax.jit(int8_page_update)(*args)
+    nk, nv, new8 = jax.jit(int8_page_update)(*args, int8)
+    np.testing.assert_array_equal(np.asarray(nk, np.float32), np.asarray(fk, np.float32))
+    np.testing.assert_array_equal(np.asarray(nv, np.float32), np.asarray(fv, np.float32))
+    x = np.asarray(pool_k, np.float32)[np.asarray([2, 0, 5])].reshape(1, 12, kh, h)
+    _, codes, scales = _np_fake_quant(x, int8_at[:1] < 12, page)
+    np.testing.assert_array_equal(np.asarray(new8.k)[1], codes[0, :page])  # row 0 page 0
+    np.testing.assert_array_equal(np.asarray(new8.ks)[1], scales[0, 0])
+    assert not np.asarray(new8.k)[0].any() and not np.asarray(new8.ks)[0].any()  # half page
+    use8 = np.asarray(int8_pages_read(new8, jnp.asarray(int8_at), new_len))
+    np.testing.assert_array_equal(use8, [[True, False, False], [False, False, False]])
+    # free row 0's float page 2 (now stored in int8): reads still give the round-tripped values
+    freed = nk.at[2].set(jnp.nan)
+    safe, safe8 = jnp.maximum(tables, 0), jnp.maximum(tables8, 0)
+    want = np.asarray(read_pages(nk, safe), np.float32)
+    got = read_pages(freed, safe, new8.k, new8.ks, safe8, jnp.asarray(use8))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+    pos = jnp.asarray(rng.integers(0, 12, size=(2, 5, kh)), jnp.int32)
+    heads = jnp.arange(kh)[None, None, :]
+    tok = read_tokens(freed, tables, pos, heads, new8.k, new8.ks, (tables8, jnp.asarray(use8)))
+    want_tok = want[np.arange(2)[:, None, None], np.asarray(pos), np.arange(kh)[None, None, :]]
+    np.testing.assert_array_equal(np.asarray(tok, np.float32), want_tok)

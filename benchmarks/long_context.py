@@ -1,0 +1,252 @@
+"""Long-context KV memory and sparse decode: measured device bytes, context per pool, decode speed
+of sparse full attention reading its top-k blocks, rollout/trainer parity with replay.
+
+Model: ``common.bench_model('dense', 'SSSF')`` (the rollout benchmark's model: 4 layers, d_model
+256, 4 query / 2 KV heads of dim 64, vocab 1024, window 64) with the guide's sparse attention
+sizes unscaled: blocks of 8 tokens, top-k 4096 tokens (512 blocks), i.e. 1/2 of the keys at 8k
+and 1/8 at 32k; the tiny model changes widths, not token counts. dtype float32 (``fp32``,
+``fp32-parity``): bf16 matmuls are slower than fp32 on the CPUs measured here.
+
+Parts (``--parts``), each at every ``--contexts`` size (tokens):
+  * ``kv``: one agent-loop episode of tool outputs (``--obs`` tokens each) and model turns (16
+    new tokens) up to the context size, one slot, a shared page pool. ``kv_option``: ``dense``
+    (no compression), ``int8`` (finished low-attention tool outputs moved to int8 pages, their
+    float pages freed), ``evict`` (evicted, pages freed); threshold 1.0 (``EvictionConfig``).
+    ``kv_device_bytes``: the episode's KV bytes on the live pools at its last turn (pages held
+    in each pool x page bytes + the S rings; ``rollout.kv_cache.KVLayout``), with a pool that
+    holds the whole context. ``max_context_in_pool``: tokens the episode reaches with a pool of
+    the bytes of half the context in float pages (``int8``: half of those bytes as float pages,
+    half as int8 pages); ``episode_completed``: it reached the episode's end
+    (``episode_tokens``, just under the context size) instead of running out of pages.
+  * ``decode``: one slot holding the context (prefilled), then ``--new`` tokens decoded per
+    call, median of ``--reps`` calls: ``decode_tokens_per_s`` of the F layer reading the whole
+    context masked to its blocks (``masked``: ``select_blocks`` on every key) against reading
+    only its top-k blocks scored on stored block means (``gather``, ``ModelConfig.sparse_gather``),
+    both through the chunk path (``decode_kernel`` false) and through the paged decode kernel
+    (``decode_kernel`` true); ``sparse_speedup_vs_dense`` = gather / masked on the same path.
+  * ``parity``: ``--parity-contexts``: one episode under ``fp32-parity`` with the gather model,
+    int8 + eviction and recorded blocks; ``max_abs_dlogp`` of the trainer's chunked pass against
+    the rollout's logprobs (action tokens), replaying the KV masks and the blocks
+    (``replay`` true) or the KV masks only (false). And one episode under ``fp32`` (decode
+    kernel over the gathered blocks, no compression: a non-parity policy cannot replay KV
+    masks) against the trainer's teacher-forced pass with and without the recorded blocks.
+
+Usage: python benchmarks/long_context.py [--contexts 8192,32768] [--parts kv,decode,parity]
+       [--reps 5] [--parity-contexts 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+
+import jax
+import numpy as np
+from common import Timing, bench_model, env_fields
+
+from agentrl_jax.envs.base import StepResult
+from agentrl_jax.envs.coderepair import CodeTokenizer
+from agentrl_jax.model.transformer import Transformer, init_params
+from agentrl_jax.precision import get_policy
+from agentrl_jax.rollout.agent_loop import run_episodes
+from agentrl_jax.rollout.kv_cache import EvictionConfig, KVLayout
+from agentrl_jax.rollout.loop_state import RolloutStats
+from agentrl_jax.rollout.parity import trainer_logprobs
+from agentrl_jax.rollout.sampler import Sampler, SamplingConfig
+
+log = logging.getLogger("long_context")
+PAGE, NEW_PER_TURN, PROMPT = 16, 16, 32
+MODEL = bench_model("dense", "SSSF", sparse_block_size=8, sparse_topk_tokens=4096)
+OPTIONS = {
+    "dense": None,
+    "int8": EvictionConfig(threshold=1.0, int8=True),
+    "evict": EvictionConfig(threshold=1.0),
+}
+
+
+class ToolEnv:
+    """A short prompt, then one tool output of ``obs`` tokens per model turn until ``context``
+    tokens (done when the next output would not fit)."""
+
+    def __init__(self, tok: CodeTokenizer, obs: int, context: int):
+        self.tok, self.obs, self.context = tok, obs, context
+
+    def reset(self, seed):
+        self.rng, self.n = random.Random(seed), PROMPT
+        return [self.tok.bos_id, *(self.rng.randrange(20, 400) for _ in range(PROMPT - 1))]
+
+    def step(self, action):
+        self.n += len(action) + self.obs
+        done = self.n + self.obs + NEW_PER_TURN > self.context
+        obs = [self.tok.obs_start_id, *(self.rng.randrange(20, 400) for _ in range(self.obs - 2))]
+        obs.append(self.tok.obs_end_id)
+        log_ = {"tool": "read", "args": (), "output": "", "error": False, "success": done}
+        return obs, StepResult(done=done, outcome_reward=float(done), process={}, log=log_)
+
+
+def sampling(context: int, parity: bool = False, **kw) -> SamplingConfig:
+    max_len = -(-(context + 2 * PAGE) // PAGE) * PAGE
+    return SamplingConfig(
+        max_new_tokens=NEW_PER_TURN, max_len=max_len, page_size=PAGE, chunk=4,
+        prefill_chunk=None if parity else 128, **kw,
+    )  # fmt: skip
+
+
+def episode(model, params, context, obs, eviction, n_pages, int8_pages=None, **cfg_kw):
+    """One episode of ``ToolEnv``; returns (trajectory, stats, seconds)."""
+    tok, stats = CodeTokenizer(), RolloutStats()
+    cfg = sampling(context, model.policy.parity, **cfg_kw)
+    t0 = time.perf_counter()
+    traj = run_episodes(
+        model, params, [0], lambda: ToolEnv(tok, obs, context), tok, cfg, jax.random.key(1),
+        n_slots=1, max_turns=10_000, n_pages=n_pages, int8_pages=int8_pages,
+        eviction=eviction, stats=stats,
+    )  # fmt: skip
+    return traj, stats, time.perf_counter() - t0
+
+
+def page_bytes(model, context) -> KVLayout:
+    state = Sampler(model, sampling(context)).init_state(1, 1, int8_pages=1)
+    return KVLayout.from_cache(state.cache, MODEL.layer_pattern)
+
+
+def kv_lines(context, args, params):
+    model = Transformer(MODEL, get_policy("fp32"))
+    layout = page_bytes(model, context)
+    full_pages = -(-(context + 2 * PAGE) // PAGE)
+    budget = layout.float_page * (context // 2 // PAGE)  # bytes of half the context in float
+    for option, eviction in OPTIONS.items():
+        traj, stats, secs = episode(model, params, context, args.obs, eviction, full_pages)
+        last = traj.logs[-1]
+        if option == "int8":
+            small = dict(n_pages=budget // 2 // layout.float_page)
+            small["int8_pages"] = budget // 2 // layout.int8_page
+        else:
+            small = dict(n_pages=budget // layout.float_page)
+        tight, _, secs_t = episode(model, params, context, args.obs, eviction, **small)
+        reached = int(tight.valid.sum())
+        yield dict(
+            bench="long_context", variant=f"kv/{option}/{context}", context=context,
+            kv_option=option, policy="fp32", dtype="float32",
+            kv_device_bytes=int(last["kv_bytes"]),
+            kv_bytes_float=int(last["kv_bytes_float"]), kv_bytes_int8=int(last["kv_bytes_int8"]),
+            tokens_at_last_turn=int(last["tokens_so_far"]),
+            kv_peak_pool_bytes=int(stats.max_kv_bytes),
+            evicted_tokens=stats.evicted_tokens, int8_tokens=stats.int8_tokens,
+            max_context_in_pool=reached, episode_completed=not bool(tight.truncated[0]),
+            episode_tokens=int(traj.valid.sum()),
+            pool_bytes=int(small["n_pages"] * layout.float_page
+                           + small.get("int8_pages", 0) * layout.int8_page),
+            float_page_bytes=layout.float_page, int8_page_bytes=layout.int8_page,
+            episode_s=round(secs, 1), tight_episode_s=round(secs_t, 1),
+        )  # fmt: skip
+
+
+def decode_rate(sampler, params, state, n_new, reps):
+    """Median decode rate of one slot over ``reps`` calls of ``n_new`` tokens each."""
+    args = (jax.random.key(2), np.zeros(1, np.int32), np.ones(1, bool))
+    budget, times = np.full(1, n_new, np.int32), []
+    for i in range(reps + 1):  # the first call compiles
+        t0 = time.perf_counter()
+        state, out = sampler.decode(params, state, *args, budget, np.int32(1))
+        jax.block_until_ready(out.tokens)
+        if i:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return Timing.from_ms(times)
+
+
+def decode_lines(context, args, params):
+    rates = {}
+    for mode, gather in (("masked", False), ("gather", True)):
+        model = Transformer(MODEL.replace(sparse_gather=gather), get_policy("fp32"))
+        for kernel in (False, True):
+            cfg = sampling(context, decode_kernel=kernel, stop_tokens=(-1,))
+            sampler = Sampler(model, cfg)
+            if not kernel:  # prefill once per model; the kernel path decodes from a copy
+                n = context - (args.reps + 1) * args.new
+                state = sampler.init_state(1)
+                toks = np.asarray(jax.random.randint(jax.random.key(3), (1, n), 20, 400))
+                t0 = time.perf_counter()
+                state, _ = sampler.prefill(params, state, toks, np.full(1, n, np.int32))
+                jax.block_until_ready(state.logits)
+                prefill_s = time.perf_counter() - t0
+            start = jax.tree.map(lambda a: a.copy(), state)
+            t = decode_rate(sampler, params, start, args.new, args.reps)
+            rates[mode, kernel] = args.new / (t.median_ms / 1e3)
+            line = dict(
+                bench="long_context", variant=f"decode/{mode}/{'kernel' if kernel else 'chunk'}"
+                f"/{context}", context=context, kv_option="dense", policy="fp32",
+                dtype="float32", sparse_read=mode, decode_kernel=kernel,
+                decode_tokens_per_s=round(rates[mode, kernel], 2), **t.fields("decode_ms"),
+                new_tokens=args.new, topk_tokens=MODEL.sparse_topk_tokens,
+                block_size=MODEL.sparse_block_size, prefill_s=round(prefill_s, 1),
+            )  # fmt: skip
+            if mode == "gather":
+                line["sparse_speedup_vs_dense"] = round(
+                    rates[mode, kernel] / rates["masked", kernel], 3
+                )
+            yield line
+
+
+def parity_lines(context, args, params):
+    yield from _parity_lines(context, args, params, "fp32-parity")
+    yield from _parity_lines(context, args, params, "fp32")
+
+
+def _parity_lines(context, args, params, policy):
+    model = Transformer(MODEL.replace(sparse_gather=True), get_policy(policy))
+    parity = model.policy.parity
+    eviction = EvictionConfig(threshold=1.0, int8=True, drop_threshold=0.5) if parity else None
+    full_pages = -(-(context + 2 * PAGE) // PAGE)
+    traj, stats, secs = episode(
+        model, params, context, args.obs, eviction, full_pages, record_blocks=True
+    )
+    cfg = sampling(context, parity, record_blocks=True)
+    act = np.asarray(traj.action_mask)
+    for replay in (True, False):
+        t0 = time.perf_counter()
+        lp, _ = trainer_logprobs(
+            model, params, traj, sampling_cfg=cfg, n_slots=1, replay_kv=parity,
+            replay_blocks=replay,
+        )  # fmt: skip
+        dl = np.abs(lp[act] - np.asarray(traj.rollout_logprobs)[act])
+        yield dict(
+            bench="long_context", variant=f"parity/{policy}/{'replay' if replay else 'no_replay'}"
+            f"/{context}", context=context, kv_option="int8+evict" if parity else "dense",
+            policy=policy, dtype="float32", replay=replay, max_abs_dlogp=float(dl.max()),
+            mean_abs_dlogp=float(dl.mean()),
+            action_tokens=int(act.sum()), tokens=int(traj.valid.sum()),
+            int8_tokens=stats.int8_tokens, evicted_tokens=stats.evicted_tokens,
+            episode_s=round(secs, 1), trainer_s=round(time.perf_counter() - t0, 1),
+        )  # fmt: skip
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--parity-contexts", default="8192")
+    ap.add_argument("--parts", default="kv,decode,parity")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--new", type=int, default=32, help="tokens per timed decode call")
+    ap.add_argument("--obs", type=int, default=480, help="tokens per tool output")
+    args = ap.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+    params = init_params(Transformer(MODEL, get_policy("fp32")), jax.random.key(0))
+    parts = args.parts.split(",")
+    for context in (int(c) for c in args.contexts.split(",")):
+        for part, fn in (("kv", kv_lines), ("decode", decode_lines)):
+            if part in parts:
+                for line in fn(context, args, params):
+                    print(json.dumps({**line, **env_fields()}), flush=True)
+    if "parity" in parts:
+        for context in (int(c) for c in args.parity_contexts.split(",")):
+            for line in parity_lines(context, args, params):
+                print(json.dumps({**line, **env_fields()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
