@@ -21,6 +21,9 @@ Layout (B episodes padded to T tokens; numpy arrays from the rollout, any array 
   kv_keep_mask      bool  [B, T] or None: ``kv_evict_at == int32 max`` (token never evicted)
   kv_int8_mask      bool  [B, T] or None: token's K/V pages were moved to int8 (per-page scales)
   kv_int8_at        int32 [B, T] or None: the chunk-aligned position from which it was int8
+  policy_versions   int32 [B, T] or None: the policy version (updates applied to the
+                                  parameters) that sampled each action token, -1 elsewhere; set
+                                  by rollouts that switch weights mid-episode
 
 ``logs`` (host only, dropped by jax tree operations so a jitted trainer never retraces on it):
 one dict per model turn with ``episode``, ``turn``, ``tool``, ``args``, ``output``, ``error``,
@@ -55,6 +58,9 @@ ARRAY_FIELDS = (
     "kv_int8_mask",
     "kv_int8_at",
 )
+# Set only by rollouts that switch weights mid-batch (asynchronous RL). Kept out of ARRAY_FIELDS,
+# which the pinned digests of rollouts hash field by field (tests/rollout), but a pytree leaf.
+VERSION_FIELDS = ("policy_versions",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +83,7 @@ class Trajectory:
     kv_keep_mask: Any = None
     kv_int8_mask: Any = None
     kv_int8_at: Any = None
+    policy_versions: Any = None
     logs: tuple = ()
 
     @property
@@ -92,11 +99,11 @@ class Trajectory:
 
 
 def _flatten(traj: Trajectory):
-    return tuple(getattr(traj, f) for f in ARRAY_FIELDS), None
+    return tuple(getattr(traj, f) for f in ARRAY_FIELDS + VERSION_FIELDS), None
 
 
 def _unflatten(_, children) -> Trajectory:
-    return Trajectory(**dict(zip(ARRAY_FIELDS, children)))
+    return Trajectory(**dict(zip(ARRAY_FIELDS + VERSION_FIELDS, children, strict=True)))
 
 
 jax.tree_util.register_pytree_node(Trajectory, _flatten, _unflatten)
@@ -306,7 +313,7 @@ def select_rows(traj: Trajectory, idx) -> Rows:
 
 
 def _pad_value(key: str, a: np.ndarray):
-    if key == "turn_ids":
+    if key in ("turn_ids", "policy_versions"):
         return -1
     if key.startswith("kv_") and a.dtype == np.int32:
         return NEVER
@@ -314,8 +321,8 @@ def _pad_value(key: str, a: np.ndarray):
 
 
 def concat_rows(parts: list[Rows], length: int) -> Rows:
-    """Concatenates row dicts along the batch, padding time to ``length`` (``turn_ids`` with -1,
-    the int32 KV marks with ``NEVER``, everything else with 0).
+    """Concatenates row dicts along the batch, padding time to ``length`` (``turn_ids`` and
+    ``policy_versions`` with -1, the int32 KV marks with ``NEVER``, everything else with 0).
 
     Raises:
       ValueError: a part longer than ``length``.
