@@ -205,6 +205,8 @@ class AsyncDriver:
             group_ids=group_ids,
             greedy=greedy_flags,
         )
-        traj = VersionedLoop(loop, clock, run.rl_cfg.partial_rollout, self._executor).run()
+        workers = run.loop.env_workers
+        mode = run.rl_cfg.partial_rollout
+        traj = VersionedLoop(loop, clock, mode, self._executor, resolve_at=workers).run()
         run.account(traj, batch + 1)
         return traj

@@ -58,8 +58,9 @@ class TrainConfig:
         with its own rollout logprobs and routes. On-policy rejection sampling on the tasks
         the group alone failed: the rare success gets the group's positive advantage.
       guide_samples: extra samples per all-failed group for ``guide_source="policy"``.
-      env_workers: threads that run environment steps (tool calls) while the model computes,
-        with ``rl.max_staleness`` > 0 (``train/rollout_worker.py``; >= 1). The synchronous
+      env_workers: with ``rl.max_staleness`` > 0, threads that run environment steps (tool
+        calls) while the model decodes (``train/rollout_worker.py``; >= 1); the observations
+        are recorded once this many calls are pending or no slot can decode. The synchronous
         loop steps its environments on the loop's thread, as it always has.
     """
 

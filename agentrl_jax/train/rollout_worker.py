@@ -10,12 +10,15 @@ driver that switches weights mid-rollout and overlaps environment steps with the
   counted in rounds of the rollout itself, never timed: the tokens a run samples do not depend
   on how fast the learner is, so runs repeat and resume bitwise.
 * :class:`VersionedLoop`: plays one :class:`~agentrl_jax.rollout.agent_loop.AgentLoop` through
-  its phase methods. A round admits, prefills and decodes; the environment steps of the turns
-  that ended are submitted to an executor and their observations recorded after the *next*
-  round's decode, so tool calls run while the model computes (always one round later, whatever
-  their timing). At a switch point the new weights are set and the episodes in flight
-  continue, are re-prefilled under them, or restart (``RLConfig.partial_rollout``); each
-  sampled token's version is recorded (``Trajectory.policy_versions``).
+  its phase methods. A round admits, prefills and decodes; the environment step of a turn that
+  ended is submitted to an executor at once and the slot waits while the others decode. The
+  observations are recorded, all pending ones together in submission order, when
+  ``resolve_at`` calls are pending or when no slot has anything left to decode: a rule on the
+  rollout's own progress, so tool calls run concurrently with each other and with the model,
+  and what is recorded when does not depend on how long they take. At a switch point the new
+  weights are set and the episodes in flight continue, are re-prefilled under them, or
+  restart (``RLConfig.partial_rollout``); each sampled token's version is recorded
+  (``Trajectory.policy_versions``).
 """
 
 from __future__ import annotations
@@ -186,19 +189,29 @@ class VersionedLoop:
       loop: a fresh ``AgentLoop`` built with ``clock.params``.
       clock: the batch's clock (counts the rounds; holds the weights).
       mode: ``"continue"``, ``"reprefill"`` or ``"abort"`` (``RLConfig.partial_rollout``).
-      executor: runs ``env.step`` calls while the next round decodes (None: each call runs
-        when submitted, and its observation is still recorded one round later).
+      executor: runs ``env.step`` calls while the model decodes (None: each call runs when
+        submitted; its observation is still recorded by the rule below).
+      resolve_at: pending calls at which the observations are recorded (>= 1; also when no
+        slot can decode); the executor's worker count keeps every worker busy.
 
     Raises:
-      ValueError: an unknown ``mode``.
+      ValueError: an unknown ``mode`` or ``resolve_at`` < 1.
     """
 
     def __init__(
-        self, loop: AgentLoop, clock: BatchClock, mode: str, executor: Executor | None = None
+        self,
+        loop: AgentLoop,
+        clock: BatchClock,
+        mode: str,
+        executor: Executor | None = None,
+        resolve_at: int = 1,
     ):
         if mode not in PARTIAL_ROLLOUTS:
             raise ValueError(f"mode={mode!r} must be one of {PARTIAL_ROLLOUTS}")
+        if resolve_at < 1:
+            raise ValueError(f"resolve_at={resolve_at} must be >= 1")
         self.loop, self.clock, self.mode, self.executor = loop, clock, mode, executor
+        self.resolve_at = resolve_at
         # per task: (sampled tokens before the switch, version from there on)
         self.bounds = [[(0, clock.version)] for _ in loop.tasks]
         self.pending: list[tuple[int, list[int], Future]] = []
@@ -216,19 +229,21 @@ class VersionedLoop:
         return traj.replace(policy_versions=self.token_versions(traj.length))
 
     def round(self) -> None:
-        """Admit, prefill, decode; then record the previous round's environment steps and
-        submit those of the turns that ended now."""
+        """Admit, prefill, decode (the submitted environment steps run meanwhile); submit the
+        steps of the turns that ended; record the observations when ``resolve_at`` steps are
+        pending or no slot had anything to decode."""
         loop, st = self.loop, self.loop.state
         loop.admit()
         loop.prefill()
-        ended = loop.decode()  # the pending environment steps run meanwhile
-        self.resolve()
+        ended = loop.decode()  # None: every episode in play waits for an observation
         for s in ended or ():
             action = loop.close_turn(s)
             if loop.room(s) > 0:
                 self.pending.append((s, action, self.submit(st.slots[s].env, action)))
             else:  # no room for an observation
                 st.finish(s, truncated=True)
+        if ended is None or len(self.pending) >= self.resolve_at:
+            self.resolve()
         st.trim()
 
     def submit(self, env, action: list[int]) -> Future:

@@ -162,15 +162,16 @@ def test_weight_store_copies_waits_and_survives_donation():
 
 
 def test_deferred_environment_steps_change_no_token(setup):
-    """Observations recorded one round later (while the next round decodes, here on threads)
-    leave every token and logprob of a parity policy as the synchronous loop samples them."""
+    """Observations recorded later (two calls at a time, run on threads while the other slots
+    decode) leave every token and logprob of a parity policy as the synchronous loop samples
+    them."""
     tok, model, p0, _ = setup
     plain = run_episodes(
         model, p0, TASKS, lambda: EchoEnv(tok), tok, SAMPLING, jax.random.key(7), n_slots=N_SLOTS
     )
     clock = BatchClock(_store(setup), VersionSchedule(1, 0), batch=1)
     with ThreadPoolExecutor(4) as pool:
-        traj = VersionedLoop(_loop(setup, p0), clock, "continue", pool).run()
+        traj = VersionedLoop(_loop(setup, p0), clock, "continue", pool, resolve_at=2).run()
     assert clock.switches == 0 and clock.rounds > 0
     np.testing.assert_array_equal(traj.tokens, plain.tokens)
     np.testing.assert_array_equal(traj.rollout_logprobs, plain.rollout_logprobs)
