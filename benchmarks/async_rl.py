@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -341,7 +342,7 @@ def main() -> None:
             params = cached(
                 args.cache_dir,
                 f"pyrepair_warm_{args.pyrepair_warm_steps}.npz",
-                lambda: warm_start_pyrepair(base, args.pyrepair_warm_steps),
+                functools.partial(warm_start_pyrepair, base, args.pyrepair_warm_steps),
                 init_params(Transformer(base.model, base.policy), jax.random.key(0)),
             )
         else:
