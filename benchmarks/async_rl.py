@@ -336,6 +336,7 @@ def main() -> None:
     for env_name in [e for e in args.envs.split(",") if e]:
         spec, over = SETTINGS[env_name]
         over = [*over, f"rl.sync_every_rounds={args.sync_every_rounds}"]
+        over.append(f"train.rl_steps={args.warmup + args.steps}")
         over.append(f"eval.n_episodes={args.heldout_episodes}")
         base = build(load_config(spec, over))
         if env_name == "pyrepair":

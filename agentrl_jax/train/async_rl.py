@@ -130,6 +130,11 @@ class AsyncDriver:
         }
 
     def _take(self, step: int):
+        if not self.run.start_step <= step < self.run.loop.rl_steps:
+            raise ValueError(
+                f"step={step} is outside this run's steps [{self.run.start_step}, "
+                f"train.rl_steps={self.run.loop.rl_steps})"
+            )
         with self._cond:
             while step not in self._ready:
                 if self._error is not None:

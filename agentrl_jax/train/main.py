@@ -148,7 +148,7 @@ def _job(cfg, sections: Sections, run_dir: str, attempt: int, resume: bool, prog
     )
     prior.update(summary, eval_after=after)
     stages.dump_json(summary_path, prior)
-    rl.ckpt.close()
+    rl.close()
     return summary
 
 
