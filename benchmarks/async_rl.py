@@ -243,6 +243,7 @@ def heldout(sections, runs: dict) -> dict:
         "paired_delta_k1_minus_k0": round(gain["delta"], 4),
         "paired_stderr": round(gain["stderr"], 4),
         "n": gain["n"],
+        "steps": int(runs[0].state.step),
     }
 
 
