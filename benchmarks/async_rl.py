@@ -1,8 +1,8 @@
 """Asynchronous RL: throughput at max_staleness 0, 1, 2, held-out success, resume, mismatch.
 
 Prints one JSON line per measurement (``variant``):
-  * ``throughput`` (one per ``env`` and ``max_staleness``; ``env_overlap`` marks k=0 played by
-    the asynchronous rollout side, environment steps overlapping the model but no staleness):
+  * ``throughput`` (one per ``env`` and ``max_staleness``; ``env_overlap`` marks k=0 with
+    ``train.overlap_env``: environment steps overlapping the model, no staleness):
     ``steps_per_hour``, ``tokens_per_s`` (rolled-out tokens over step wall time), ``step_s``
     (median, min, max over the measured steps), what each side takes per step (``rollout_s``:
     the rollouts' wall time, ``update_s``, ``tool_s``: wall time inside ``env.step``, summed
@@ -52,7 +52,6 @@ from agentrl_jax.experiment import build
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.rl.state import TrainState
 from agentrl_jax.train import stages
-from agentrl_jax.train.async_rl import AsyncDriver
 from agentrl_jax.train.demos import demo_episode, pad_batch
 from agentrl_jax.train.eval_stats import paired_gain
 from agentrl_jax.train.rl_loop import RLRun
@@ -179,14 +178,12 @@ def cached(directory: str, name: str, make, template):
     return params
 
 
-def throughput(env_name, sections, params, k, steps, warmup, overlap=False) -> tuple[dict, RLRun]:
+def throughput(env_name, sections, params, k, steps, warmup) -> tuple[dict, RLRun]:
     """Trains ``warmup + steps`` steps at staleness ``k``; measures the last ``steps``."""
     clock = [0.0]
     s = timed_sections(sections, clock)
     run_dir = tempfile.mkdtemp(prefix=f"async_rl_{env_name}_k{k}_")
     run = RLRun(s, run_dir, params, seed=0, resume=False)
-    if overlap and run.driver is None:  # k=0 through the asynchronous rollout side
-        run.driver = AsyncDriver(run)
     walls, rows = [], []
     for step in range(warmup + steps):
         if step == warmup:
@@ -204,7 +201,7 @@ def throughput(env_name, sections, params, k, steps, warmup, overlap=False) -> t
         "variant": "throughput",
         "env": env_name,
         "max_staleness": k,
-        "env_overlap": bool(k > 0 or overlap),
+        "env_overlap": bool(k > 0 or sections.train.overlap_env),
         "sync_every_rounds": sections.rl.sync_every_rounds,
         "partial_rollout": sections.rl.partial_rollout,
         "steps": steps,
@@ -355,8 +352,9 @@ def main() -> None:
         lines, runs = {}, {}
         for k, overlap in [(k, False) for k in ks] + [(0, True)] * (0 in ks):
             extra = [f"rl.max_staleness={k}", *ASYNC] if k else []  # k=0: the default loop
+            extra += ["train.overlap_env=True"] if overlap else []
             s = build(load_config(spec, [*over, *extra]))
-            line, run = throughput(env_name, s, params, k, args.steps, args.warmup, overlap)
+            line, run = throughput(env_name, s, params, k, args.steps, args.warmup)
             if 0 in lines and (k > 0 or overlap):
                 line["speedup_async_vs_sync"] = round(
                     line["steps_per_hour"] / lines[0]["steps_per_hour"], 3

@@ -62,6 +62,11 @@ class TrainConfig:
         calls) while the model decodes (``train/rollout_worker.py``; >= 1); the observations
         are recorded once this many calls are pending or no slot can decode. The synchronous
         loop steps its environments on the loop's thread, as it always has.
+      overlap_env: with ``rl.max_staleness`` = 0, play the rollouts through the asynchronous
+        rollout side all the same: no staleness (batch ``b`` is rolled out by the parameters
+        after ``b`` updates, the learner waits for it), but environment steps overlap the model
+        as above. Reproducible and resumable like an asynchronous run; not bitwise the
+        synchronous loop (observations reach the cache in other rounds).
     """
 
     rl_steps: int = 40
@@ -80,6 +85,7 @@ class TrainConfig:
     guide_source: str = "expert"
     guide_samples: int = 8
     env_workers: int = 8
+    overlap_env: bool = False
 
     def __post_init__(self):
         for name in (

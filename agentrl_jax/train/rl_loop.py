@@ -160,7 +160,7 @@ class RLRun:
         versions = None
         if resume and self.ckpt.latest_step() is not None:
             versions = self._restore()
-        if s.rl.max_staleness > 0:
+        if s.rl.max_staleness > 0 or s.train.overlap_env:
             self.driver = AsyncDriver(self, versions)
 
     # checkpoints -------------------------------------------------------------------------------
@@ -184,6 +184,7 @@ class RLRun:
         extra = None
         if self.driver is not None:
             extra, meta["async"] = self.driver.checkpoint_versions(step)
+            extra = extra or None  # k = 0: no older version
         self.ckpt.save(
             step, params=s.params, opt_state=s.opt_state, rng=s.rng, meta=meta, extra=extra
         )

@@ -120,3 +120,30 @@ def test_sigkilled_async_run_resumes_bitwise(tmp_path):
     # the task log: every step's tasks as the uninterrupted run drew and used them, once
     assert _tasks(str(broken)) == _tasks(str(straight))
     assert [step for step, _, _ in _tasks(str(broken))] == list(range(1, STEPS + 1))
+
+
+def test_overlapped_environment_without_staleness_resumes_bitwise(tmp_path):
+    """``train.overlap_env`` at k=0: the rollout side plays every batch under the current
+    version (lag 0) with tool calls overlapping the model; a checkpoint without older
+    versions resumes bitwise."""
+    over = [o for o in ASYNC if not o.startswith("rl.max_staleness")]  # the same update
+    cfg = load_config(SMOKE, [*over, "train.overlap_env=True", "train.rl_steps=3"])
+    s = build(cfg)
+    params = init_params(Transformer(s.model, s.policy), jax.random.key(0))
+    a = RLRun(s, str(tmp_path / "a"), params, seed=cfg.seed, resume=False)
+    assert a.driver is not None
+    for step in range(3):
+        m = a.step(step)
+        assert m["async/lag_max"] == 0.0 and m["async/weight_switches"] == 0.0
+    a.close()
+    b = RLRun(s, str(tmp_path / "b"), params, seed=cfg.seed, resume=False)
+    b.step(0)
+    b.save(1)
+    b.close()
+    c = RLRun(s, str(tmp_path / "b"), params, seed=cfg.seed, resume=True, attempt=2)
+    assert c.start_step == 1
+    for step in (1, 2):
+        c.step(step)
+    c.close()
+    for x, y in zip(_params(a), _params(c), strict=True):
+        np.testing.assert_array_equal(x, y)
