@@ -23,8 +23,12 @@ Python repair environment (tests run in the sandbox, ~0.1-0.3 s each) with a sma
 sliding-window model warm-started here on crops of the scripted expert's turns (a few minutes),
 so it calls ``run_tests`` / ``submit`` as a trained agent would.
 
+With ``--switch-rounds N`` (default 16) one more ``throughput`` line per env: k=1 with a weight
+switch every N agent-loop rounds (partial rollouts, ``continue``).
+
 Usage: python benchmarks/async_rl.py [--envs coderepair,pyrepair] [--init-from RUN_DIR]
-  [--steps 6] [--warmup 2] [--ks 0,1,2] [--no-heldout] [--heldout-episodes 512]
+  [--steps 6] [--warmup 2] [--ks 0,1,2] [--switch-rounds 16] [--no-heldout]
+  [--heldout-episodes 512] [--cache-dir DIR]
 """
 
 from __future__ import annotations
@@ -323,6 +327,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--sync-every-rounds", type=int, default=0)
+    p.add_argument("--switch-rounds", type=int, default=16, help="one more k=1 line (0: none)")
     p.add_argument("--pyrepair-warm-steps", type=int, default=400)
     p.add_argument("--cache-dir", default="", help="keeps the pyrepair warm start between runs")
     p.add_argument("--no-heldout", action="store_true")
@@ -350,16 +355,20 @@ def main() -> None:
             if args.init_from:
                 params = stages.initial_params(args.init_from, template)
         lines, runs = {}, {}
-        for k, overlap in [(k, False) for k in ks] + [(0, True)] * (0 in ks):
+        variants = [(k, False, 0) for k in ks] + [(0, True, 0)] * (0 in ks)
+        if args.switch_rounds:  # partial rollouts: k=1 with mid-batch weight switches
+            variants.append((1, False, args.switch_rounds))
+        for k, overlap, every in variants:
             extra = [f"rl.max_staleness={k}", *ASYNC] if k else []  # k=0: the default loop
             extra += ["train.overlap_env=True"] if overlap else []
+            extra += [f"rl.sync_every_rounds={every}"] if every else []
             s = build(load_config(spec, [*over, *extra]))
             line, run = throughput(env_name, s, params, k, args.steps, args.warmup)
-            if 0 in lines and (k > 0 or overlap):
+            if 0 in lines and (k > 0 or overlap):  # same env, k=0 measured first
                 line["speedup_async_vs_sync"] = round(
                     line["steps_per_hour"] / lines[0]["steps_per_hour"], 3
                 )
-            if not overlap:
+            if not (overlap or every):
                 lines[k], runs[k] = line, run
             emit(line)
         if env_name == "coderepair" and not args.no_heldout and {0, 1} <= set(runs):
