@@ -122,7 +122,8 @@ COLUMNS: dict[str, str] = {
         "compile_s=compile s"
     ),
     "async_rl:throughput": (
-        "env; max_staleness=k; env_overlap=env overlap; steps_per_hour=steps/h; "
+        "env; max_staleness=k; env_overlap=env overlap; sync_every_rounds=switch every; "
+        "steps_per_hour=steps/h; "
         "tokens_per_s=tok/s; step_s=step s; rollout_s=rollout s; update_s=update s; "
         "tool_s=tool s; tool_share=tool share (of step); learner_wait_s=learner wait s; "
         "rollout_wait_s=rollout wait s; lag_mean=lag; speedup_async_vs_sync=speedup vs k=0"
