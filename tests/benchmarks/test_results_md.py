@@ -202,4 +202,4 @@ def test_a_benchmark_with_variant_columns_gets_one_table_per_variant():
     ]  # fmt: skip
     text = results_md.render_bench("async_rl", rows)
     assert text.count("**m**") == 2  # a header per table
-    assert "| e | 1 |  | 360 |" in text and "| c | yes |" in text
+    assert "| e | 1 |  |  | 360 |" in text and "| c | yes |" in text
