@@ -318,11 +318,12 @@ class VersionedLoop:
 
     def token_versions(self, length: int) -> np.ndarray:
         """int32 [B, length]: each action token's version, -1 elsewhere (rows in task order)."""
-        recs = self.loop.state.records
+        recs = [r for r in self.loop.state.records if r is not None]  # as trajectory() stacks
         out = np.full((len(recs), length), -1, np.int32)
         for i, rec in enumerate(recs):
             pos = np.flatnonzero(np.asarray(rec.action, bool))
-            counts, versions = (np.asarray(x) for x in zip(*self.bounds[i], strict=True))
+            bounds = self.bounds[rec.task_index]
+            counts, versions = (np.asarray(x) for x in zip(*bounds, strict=True))
             at = np.searchsorted(counts, np.arange(len(pos)), side="right") - 1
             out[i, pos] = versions[at]
         return out
