@@ -114,7 +114,10 @@ class RLRun:
       resume: continue from the newest intact RL checkpoint in ``run_dir`` if there is one
         (newer unusable ones are set aside: ``Checkpointer.restore``).
       attempt: the process's attempt at the run (``train/runs.py``), written into every
-        ``tool_calls.jsonl`` row.
+        ``tool_calls.jsonl`` and ``tasks.jsonl`` row.
+
+    With ``rl.max_staleness`` > 0 or ``train.overlap_env``, ``driver`` is the asynchronous
+    rollout side (``train/async_rl.py``), started by the first ``step``; :meth:`close` stops it.
 
     Raises:
       ValueError: ``resume`` and no RL checkpoint of the run is intact, or the checkpoint does
