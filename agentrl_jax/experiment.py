@@ -19,7 +19,7 @@ eval       ``EvalConfig``                       ``train/evaluate.py``
 data       ``DataConfig``                       ``data/pipeline.py``
 rollout    ``SamplingConfig``                   ``rollout/sampler.py``
 rl         ``RLConfig`` (+ nested ``loss``)     ``rl/state.py``, ``rl/losses.py``
-train      ``TrainConfig``                      ``train/rl_loop.py``
+train      ``TrainConfig``                      ``train/loop_config.py``
 =========  ===================================  ==========================================
 """
 
@@ -41,7 +41,7 @@ from agentrl_jax.rl.state import RLConfig
 from agentrl_jax.rollout.sampler import SamplingConfig
 from agentrl_jax.sharding import MeshConfig
 from agentrl_jax.train.evaluate import EvalConfig, eval_data_config
-from agentrl_jax.train.rl_loop import TrainConfig
+from agentrl_jax.train.loop_config import TrainConfig
 from agentrl_jax.train.sft import SFTConfig
 
 

@@ -75,9 +75,11 @@ REPS_FLAGS: dict[str, tuple[str, ...]] = {
     "update_baseline": ("--reps",),
 }
 BASELINES: dict[str, list[str]] = {"rollout_baseline": [], "update_baseline": ["--reps", "3"]}
+# Scripts too long for the default run (tens of minutes each): run only when named in --only.
+LONG: dict[str, list[str]] = {"async_rl": []}
 
-# Columns of each benchmark's table, "key=header" (header = key when left out), "; "-separated.
-# Every table ends with the load average.
+# Columns of each benchmark's table, "key=header" (header = key when left out), "; "-separated;
+# "bench:variant" keys give a benchmark one table per variant. Every table ends with the load.
 COLUMNS: dict[str, str] = {
     "compile_depth": (
         "variant; compile_s_4=compile s, 4 layers; compile_s_32=32; compile_s_96=96; "
@@ -134,6 +136,23 @@ COLUMNS: dict[str, str] = {
         "param_bytes_per_device=param bytes/device; opt_bytes_per_device=opt bytes/device; "
         "ratio_bytes_vs_single=bytes vs 1 device; full_shard_ratio_x_n=full shards x N; "
         "step_ms=step ms; compiled_temp_bytes_per_device=temp bytes/device"
+    "async_rl:throughput": (
+        "env; max_staleness=k; env_overlap=env overlap; sync_every_rounds=switch every; "
+        "steps_per_hour=steps/h; "
+        "tokens_per_s=tok/s; step_s=step s; rollout_s=rollout s; update_s=update s; "
+        "tool_s=tool s; tool_share=tool share (of step); learner_wait_s=learner wait s; "
+        "rollout_wait_s=rollout wait s; lag_mean=lag; speedup_async_vs_sync=speedup vs k=0"
+    ),
+    "async_rl:heldout": (
+        "env; mode; steps; heldout_success_k0=success k=0; heldout_success_k1=success k=1; "
+        "paired_delta_k1_minus_k0=k=1 - k=0; paired_stderr=paired stderr; n"
+    ),
+    "async_rl:resume": "config; resume_bitwise=resume bitwise",
+    "async_rl:mismatch": (
+        "config; mismatch_lag=lag; mismatch_numerics=numerics; mismatch_routing=routing; "
+        "mismatch_kv=KV; mismatch_lag_share=lag share; mismatch_numerics_share=numerics share; "
+        "mismatch_routing_share=routing share; mismatch_kv_share=KV share; "
+        "extra_passes=extra passes; extra_s=extra s; update_s=update s"
     ),
 }
 _GENERIC_MAX_COLUMNS = 8
@@ -431,6 +450,20 @@ def render_table(bench: str, rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def render_tables(bench: str, rows: Sequence[Mapping[str, Any]]) -> str:
+    """One file's rows of ``bench``: one table, or one per variant with ``bench:variant``
+    columns (rows of other variants are left out)."""
+    keys = [k for k in COLUMNS if k.startswith(bench + ":")]
+    if not keys:
+        return render_table(bench, rows)
+    parts = []
+    for key in keys:
+        mine = [r for r in rows if r.get("variant") == key.partition(":")[2] or "error" in r]
+        if mine:
+            parts.append(render_table(key, mine))
+    return "\n\n".join(parts)
+
+
 def render_bench(bench: str, rows: Sequence[Mapping[str, Any]]) -> str:
     """All tables of ``bench``: one per results file (machine and date), newest first."""
     mine = [r for r in rows if r["bench"] == bench]
@@ -440,7 +473,7 @@ def render_bench(bench: str, rows: Sequence[Mapping[str, Any]]) -> str:
     for r in mine:
         by_file.setdefault(r["_file"], []).append(r)
     newest = sorted(by_file, key=lambda f: (f[-16:], f), reverse=True)
-    return "\n\n".join(render_table(bench, by_file[f]) for f in newest)
+    return "\n\n".join(render_tables(bench, by_file[f]) for f in newest)
 
 
 def render_sources(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -496,7 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.reps is not None and a.reps < 1:
         raise ValueError(f"--reps={a.reps} must be >= 1")
     if a.run:
-        suite = dict(SUITE)
+        suite = {**SUITE, **LONG}
         if a.baseline_python:
             suite.update(BASELINES)
         names = [n for n in a.only.split(",") if n] or list(SUITE)

@@ -4,11 +4,19 @@ and rollout/train mismatch corrections (truncated IS, IcePop masking, geometric-
 Three log-probabilities per action token:
   logp_new      current parameters (differentiated),
   logp_old      parameters that produced the rollout, recomputed by the trainer (PPO anchor),
-  logp_rollout  what the sampler reported for the same tokens (differs from logp_old only by
-                numerics: dtype, kernels, KV compression, routing).
+  logp_rollout  what the sampler reported for the same tokens: the behaviour policy's logprob
+                of each token (differs from logp_old by numerics: dtype, kernels, KV
+                compression, routing; and in asynchronous RL by the policy lag).
 PPO ratio r = exp(logp_new - logp_old); rollout-correction ratio rho = exp(logp_old -
 logp_rollout) (no gradient). Corrections turn rho into per-token weights w that multiply the
 per-token loss; dropped tokens keep their place in the aggregation normaliser.
+
+Asynchronous RL (``RLConfig.max_staleness`` > 0) trains on tokens sampled by older policy
+versions, several of them within one episode when weights switch mid-rollout
+(``Trajectory.policy_versions``). Every correction here is per token on that token's own
+behaviour logprob, so a mixed-version episode is weighted token by token by the version that
+sampled it (decoupled PPO: logp_old is the proximal policy, rho the behaviour correction);
+``geo_band`` takes its geometric mean over the episode's tokens whatever their versions.
 
 Shape legend: B sequences, T tokens.
 """

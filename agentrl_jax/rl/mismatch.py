@@ -14,6 +14,13 @@ turns samples of the rollout policy into samples of the training policy):
                                   entry. Only with routes.
 With no valid token every metric reads its no-mismatch value (0 differences, ratios and ESS 1).
 
+By source (:func:`mismatch_by_source`), from teacher-forced recomputations of the same tokens:
+  lag        behaviour version vs current parameters (both teacher-forced, same replay)
+  numerics   rollout vs trainer at the behaviour version (dtype, kernels, and under a
+             "continue" partial rollout the KV an older version computed)
+  routing    current parameters with vs without MoE routing replay
+  kv         current parameters with vs without KV-mask (eviction / int8) replay
+
 Shape legend: B sequences, T tokens, L MoE layers, K experts per token (top-k), N = B*T.
 """
 
@@ -146,4 +153,69 @@ def mismatch_metrics(
         agree, exact = routing_agreement(routes_train, routes_rollout, valid)
         out["routing_agreement"] = agree
         out["routing_exact_agreement"] = exact
+    return out
+
+
+SOURCES = ("lag", "numerics", "routing", "kv")
+
+
+def mismatch_by_source(
+    logp_rollout: Array,
+    logp_behaviour: Array,
+    logp_current: Array,
+    mask: Array,
+    *,
+    logp_routing_alt: Array | None = None,
+    logp_kv_alt: Array | None = None,
+) -> dict[str, Array]:
+    """The rollout/trainer logprob gap split by source (module docstring), on ``mask`` tokens.
+
+    Each source is the mean absolute logprob difference its switch makes (``routing`` and
+    ``kv`` read 0 without their alternative pass); ``<source>_share`` is its part of the sum of
+    the four (0 when that is 0). ``total`` is mean |logp_current - logp_rollout|: the sources
+    are the terms of a chain of differences, so the sum of lag and numerics bounds it.
+
+    Args:
+      logp_rollout: f32 [B, T] the sampler's logprobs.
+      logp_behaviour: f32 [B, T] teacher-forced under the version that sampled each token, with
+        the replay settings of the update.
+      logp_current: f32 [B, T] teacher-forced under the current parameters, same settings.
+      mask: bool [B, T] action tokens.
+      logp_routing_alt: f32 [B, T] current parameters with routing replay switched (MoE).
+      logp_kv_alt: f32 [B, T] current parameters with KV-mask replay switched.
+
+    Returns:
+      f32 scalars ``lag``, ``numerics``, ``routing``, ``kv``, their ``*_share`` and ``total``.
+
+    Raises:
+      ValueError: shapes that differ or a non-bool mask.
+    """
+    shape = tuple(mask.shape)
+    if mask.dtype != jnp.bool_:
+        raise ValueError(f"mask must be bool, got {mask.dtype}")
+    named = {"logp_rollout": logp_rollout, "logp_behaviour": logp_behaviour}
+    named |= {"logp_current": logp_current}
+    named |= {"logp_routing_alt": logp_routing_alt, "logp_kv_alt": logp_kv_alt}
+    for field, value in named.items():
+        if value is not None and tuple(value.shape) != shape:
+            raise ValueError(f"{field} must have shape {shape}, got {tuple(value.shape)}")
+    m = mask.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(m), 1.0)
+
+    def gap(a, b):
+        if a is None or b is None:
+            return jnp.float32(0.0)
+        d = jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))
+        return jnp.sum(jnp.where(mask, d, 0.0)) / n
+
+    out = {
+        "lag": gap(logp_current, logp_behaviour),
+        "numerics": gap(logp_behaviour, logp_rollout),
+        "routing": gap(logp_current, logp_routing_alt),
+        "kv": gap(logp_current, logp_kv_alt),
+    }
+    total = sum(out.values())
+    for name in SOURCES:
+        out[f"{name}_share"] = jnp.where(total > 0, out[name] / jnp.maximum(total, 1e-30), 0.0)
+    out["total"] = gap(logp_current, logp_rollout)
     return out

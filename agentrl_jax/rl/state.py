@@ -20,6 +20,7 @@ from agentrl_jax.precision import policy_names
 from agentrl_jax.rl.losses import LossConfig
 
 OLD_LOGPROBS = ("recompute", "rollout")
+PARTIAL_ROLLOUTS = ("continue", "reprefill", "abort")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,29 @@ class RLConfig:
         switches to ``fallback_policy`` (>= 0; 0 disables the fallback).
       fallback_policy: dtype-policy preset used during a fallback.
       fallback_steps: steps run under the fallback policy before switching back (>= 1).
+      max_staleness: asynchronous RL (``train/async_rl.py``): the rollouts of batch ``b`` start
+        under policy version ``max(0, b - max_staleness)`` (version ``v`` = the parameters after
+        ``v`` updates) while the learner trains on earlier batches, so a token the update of
+        step ``b`` trains on lags the current parameters by at most ``max_staleness`` versions
+        (>= 0). 0 is the synchronous loop: every batch rolled out by the current parameters,
+        then the update. With ``old_logprobs='recompute'`` a value > 0 needs an importance
+        correction of the lag (``loss.tis_cap``, ``loss.icepop_band`` or ``loss.geo_band``).
+      sync_every_rounds: asynchronous RL: every this many agent-loop rounds of a batch's
+        rollouts (counted over its refill rounds) the rollout side moves one version closer to
+        the batch's own (never past it), waiting for it if the learner has not published it
+        yet; episodes in flight then continue as ``partial_rollout`` says (>= 0; 0: a batch
+        keeps the version it started with). Switch points are counted in rounds, never timed,
+        so a run is reproducible and resumes bitwise.
+      partial_rollout: what episodes in flight do when the weights switch mid-batch:
+        ``"continue"`` (decode on under the new weights over the KV the old ones computed; each
+        token keeps the version and the logprob it was sampled with), ``"reprefill"`` (their
+        whole token stream is prefilled again under the new weights first; nothing decoded is
+        lost) or ``"abort"`` (they restart from their prompt: their tokens are thrown away).
+      mismatch_sources: log the rollout/trainer logprob gap by source every step
+        (``mismatch_src/*``: policy lag, numerics, routing replay, KV-mask replay) from extra
+        teacher-forced passes: one per behaviour version other than the current one, one of
+        the current parameters, and one more each for MoE routing and recorded KV marks
+        (``train/mismatch_sources.py``; ``mismatch_src/extra_passes`` counts them).
     """
 
     lr: float = 1e-4
@@ -84,11 +108,21 @@ class RLConfig:
     max_consecutive_nonfinite: int = 3
     fallback_policy: str = "bf16"
     fallback_steps: int = 10
+    max_staleness: int = 0
+    sync_every_rounds: int = 0
+    partial_rollout: str = "continue"
+    mismatch_sources: bool = False
 
     def __post_init__(self):
         if not self.lr > 0:
             raise ValueError(f"RLConfig.lr={self.lr} must be > 0")
-        for field in ("warmup_steps", "decay_steps", "max_consecutive_nonfinite"):
+        for field in (
+            "warmup_steps",
+            "decay_steps",
+            "max_consecutive_nonfinite",
+            "max_staleness",
+            "sync_every_rounds",
+        ):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"RLConfig.{field}={value!r} must be an int >= 0")
@@ -120,6 +154,18 @@ class RLConfig:
         if self.fallback_policy not in policy_names():
             raise ValueError(
                 f"RLConfig.fallback_policy={self.fallback_policy!r}; allowed: {policy_names()}"
+            )
+        if self.partial_rollout not in PARTIAL_ROLLOUTS:
+            raise ValueError(
+                f"RLConfig.partial_rollout={self.partial_rollout!r}; allowed: {PARTIAL_ROLLOUTS}"
+            )
+        loss = self.loss
+        corrected = loss.tis_cap or loss.icepop_band or loss.geo_band
+        if self.max_staleness > 0 and self.old_logprobs == "recompute" and not corrected:
+            raise ValueError(
+                f"RLConfig.max_staleness={self.max_staleness} trains on tokens of older policy "
+                "versions: with old_logprobs='recompute' set an importance correction of the "
+                "lag (loss.tis_cap, loss.icepop_band or loss.geo_band), or old_logprobs='rollout'"
             )
 
     def replace(self, **changes) -> RLConfig:

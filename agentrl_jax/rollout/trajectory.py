@@ -25,6 +25,9 @@ Layout (B episodes padded to T tokens; numpy arrays from the rollout, any array 
                                   each position attended to, per kv head (-1 unused; positions
                                   never computed keep only their own block). Replayed in training
                                   (``rl.use_block_replay``)
+  policy_versions   int32 [B, T] or None: the policy version (updates applied to the
+                                  parameters) that sampled each action token, -1 elsewhere; set
+                                  by rollouts that switch weights mid-episode
 
 ``logs`` (host only, dropped by jax tree operations so a jitted trainer never retraces on it):
 one dict per model turn with ``episode``, ``turn``, ``tool``, ``args``, ``output``, ``error``,
@@ -63,6 +66,9 @@ ARRAY_FIELDS = (
     "kv_int8_at",
     "sparse_blocks",
 )
+# Set only by rollouts that switch weights mid-batch (asynchronous RL). Kept out of ARRAY_FIELDS,
+# which the pinned digests of rollouts hash field by field (tests/rollout), but a pytree leaf.
+VERSION_FIELDS = ("policy_versions",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +92,7 @@ class Trajectory:
     kv_int8_mask: Any = None
     kv_int8_at: Any = None
     sparse_blocks: Any = None
+    policy_versions: Any = None
     logs: tuple = ()
 
     @property
@@ -101,11 +108,11 @@ class Trajectory:
 
 
 def _flatten(traj: Trajectory):
-    return tuple(getattr(traj, f) for f in ARRAY_FIELDS), None
+    return tuple(getattr(traj, f) for f in ARRAY_FIELDS + VERSION_FIELDS), None
 
 
 def _unflatten(_, children) -> Trajectory:
-    return Trajectory(**dict(zip(ARRAY_FIELDS, children)))
+    return Trajectory(**dict(zip(ARRAY_FIELDS + VERSION_FIELDS, children, strict=True)))
 
 
 jax.tree_util.register_pytree_node(Trajectory, _flatten, _unflatten)
@@ -341,7 +348,7 @@ def select_rows(traj: Trajectory, idx) -> Rows:
 
 
 def _pad_value(key: str, a: np.ndarray):
-    if key == "turn_ids":
+    if key in ("turn_ids", "policy_versions"):
         return -1
     if key.startswith("kv_") and a.dtype == np.int32:
         return NEVER
@@ -352,7 +359,7 @@ def _pad_value(key: str, a: np.ndarray):
 
 def concat_rows(parts: list[Rows], length: int) -> Rows:
     """Concatenates row dicts along the batch, padding time to ``length`` (``turn_ids`` and
-    ``sparse_blocks`` with -1, the int32 KV marks with ``NEVER``, everything else with 0).
+    ``sparse_blocks`` and ``policy_versions`` with -1, the int32 KV marks with ``NEVER``, everything else with 0).
 
     Raises:
       ValueError: a part longer than ``length``.

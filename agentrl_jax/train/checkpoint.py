@@ -1,7 +1,8 @@
 """Orbax checkpoints of a training run: params, optimiser state, step, PRNG key, data state.
 
 Layout: ``<run_dir>/checkpoints/<stage>/<step>/`` (orbax ``CheckpointManager``), one item
-``state`` (a pytree: ``params``, ``opt_state``, ``rng`` as raw key data uint32, ``step``) and one
+``state`` (a pytree: ``params``, ``opt_state``, ``rng`` as raw key data uint32, ``step``, and
+``extra`` when the caller saves one, e.g. the older policy versions of asynchronous RL) and one
 JSON item ``meta`` (the data iterator state and anything else JSON-safe, plus the checksum of
 every array of ``state`` under ``array_checksums``: ``train/checksum.py``).
 
@@ -164,9 +165,10 @@ class Checkpointer:
         rng: jax.Array,
         meta: dict[str, Any] | None = None,
         overwrite: bool = False,
+        extra: Any = None,
     ) -> str:
         """Writes checkpoint ``step`` with the checksum of every array and waits for it;
-        returns its directory.
+        returns its directory. ``extra``: a pytree of arrays saved with the state (None: none).
 
         Raises:
           ValueError: negative step, ``step`` exists and ``overwrite`` is False, a read-only
@@ -191,6 +193,8 @@ class Checkpointer:
             "rng": key_to_data(rng),
             "step": np.asarray(step, np.int64),
         }
+        if extra is not None:
+            state["extra"] = extra
         meta = {**(meta or {}), CHECKSUMS_KEY: tree_checksums(state)}
         self._mngr.save(
             step,
@@ -209,6 +213,7 @@ class Checkpointer:
         step: int | None = None,
         rng_impl=None,
         set_aside: bool = False,
+        extra: Any = None,
     ) -> dict[str, Any]:
         """Restores ``step``, or the newest intact step, onto the structure of the templates.
 
@@ -220,9 +225,12 @@ class Checkpointer:
           rng_impl: PRNG implementation name of the saved key (None: the default).
           set_aside: move the unusable steps newer than the one restored to
             ``checkpoints/unusable/`` (a resumed run writes those steps again).
+          extra: the template of the ``extra`` pytree saved with the state (with
+            ``opt_state``), or None.
 
         Returns:
-          ``{"params", "opt_state" (or None), "rng", "step", "meta", "unusable"}``; ``unusable``
+          ``{"params", "opt_state" (or None), "rng", "step", "meta", "extra" (or None),
+          "unusable"}``; ``unusable``
           lists ``(step, reason)`` of the newer steps skipped.
 
         Raises:
@@ -233,14 +241,15 @@ class Checkpointer:
         if step is not None:
             if step not in self._mngr.all_steps():
                 raise ValueError(f"no checkpoint step {step} in {self.directory!r}")
-            return {**self._restore_step(step, params, opt_state, rng_impl), "unusable": []}
+            out = self._restore_step(step, params, opt_state, rng_impl, extra)
+            return {**out, "unusable": []}
         steps = sorted(self._mngr.all_steps(), reverse=True)
         if not steps:
             raise ValueError(f"no checkpoint step in {self.directory!r}")
         unusable: list[tuple[int, str]] = []
         for s in steps:
             try:
-                out = self._restore_step(s, params, opt_state, rng_impl)
+                out = self._restore_step(s, params, opt_state, rng_impl, extra)
             except UnusableCheckpoint as e:
                 logger.warning("%s", e)
                 unusable.append((s, str(e)))
@@ -257,7 +266,7 @@ class Checkpointer:
         reasons = "; ".join(f"step {s}: {r}" for s, r in unusable)
         raise ValueError(f"no intact checkpoint in {self.directory!r}: {reasons}")
 
-    def _restore_step(self, step: int, params, opt_state, rng_impl) -> dict[str, Any]:
+    def _restore_step(self, step: int, params, opt_state, rng_impl, extra=None) -> dict[str, Any]:
         """Restores and verifies one step (``restore``'s contract, without a fallback)."""
         where = f"checkpoint step {step} of {self.directory!r}"
         try:
@@ -274,6 +283,8 @@ class Checkpointer:
             "rng": jax.ShapeDtypeStruct(_key_shape(rng_impl), np.uint32),
             "step": jax.ShapeDtypeStruct((), np.int64),
         }
+        if extra is not None and opt_state is not None:
+            template["extra"] = extra
         if saved is not None and opt_state is None:
             _abstract(template, saved, where)  # checks the params' shapes against the saved ones
         try:
@@ -304,6 +315,7 @@ class Checkpointer:
             "rng": data_to_key(state["rng"], rng_impl),
             "step": int(state["step"]),
             "meta": meta,
+            "extra": _cast_like(state.get("extra"), template.get("extra")),
         }
 
     def _as_saved(self, step: int):

@@ -184,7 +184,7 @@ def _job(
     )
     prior.update(summary, eval_after=after)
     stages.dump_json(summary_path, prior)
-    rl.ckpt.close()
+    rl.close()
     return summary
 
 

@@ -18,6 +18,8 @@ is one iteration:
 The main job around it (SFT, evaluations, checkpoints, the summary) is ``train/main.py``. Every
 step ``s`` is a pure function of the checkpointed state: rollout keys are
 ``fold_in(fold_in(key(seed), 1), s)`` and the update key is ``state.rng`` folded with ``s``.
+With ``rl.max_staleness`` > 0 the rollouts run ahead of the update on another thread
+(``train/async_rl.py``); ``step`` then trains on a batch rolled out earlier.
 """
 
 from __future__ import annotations
@@ -43,13 +45,18 @@ from agentrl_jax.rl.update import make_update_fn
 from agentrl_jax.rollout.agent_loop import run_episodes
 from agentrl_jax.rollout.trajectory import Rows, concat_rows, history_state_ids, select_rows
 from agentrl_jax.train import critic, reference
+from agentrl_jax.train.async_rl import AsyncDriver
 from agentrl_jax.train.checkpoint import Checkpointer, stage_dir
-from agentrl_jax.train.guidance import Guidance
+from agentrl_jax.train.guidance import Guidance, PlayFn
+from agentrl_jax.train.loop_config import TrainConfig  # noqa: F401 - the section's home name
+from agentrl_jax.train.mismatch_sources import SourcePasses
 from agentrl_jax.train.placement import Placement, play_sharded
 
 log = logging.getLogger(__name__)
 
 TOOL_CALLS_FILE = "tool_calls.jsonl"
+TASKS_FILE = "tasks.jsonl"
+TASK_KEYS = ("seed", "difficulty", "bug_types", "split")  # a task's identity in tasks.jsonl
 
 # batch fields the update reads (when present)
 UPDATE_KEYS = (
@@ -67,95 +74,6 @@ UPDATE_KEYS = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """The RL loop (config section ``train``).
-
-    Attributes:
-      rl_steps: update steps.
-      sft: run the SFT stage first (else start from ``init_from`` or a fresh init).
-      init_from: run dir or checkpoint dir whose SFT params start RL ('' = none).
-      advantage: registered advantage estimator (``agentrl_jax.rl.advantages``).
-      advantage_kwargs: its hyperparameters.
-      process_weights: weight of each environment process signal (``EnvSpec.process_keys``;
-        code repair: ``envs.coderepair.PROCESS_KEYS``) in ``process_rewards``; a missing key
-        weighs 1.0 (``experiment.build`` checks the keys against the environment).
-        Only estimators that read process rewards use them (``episode_process``, ``prm_orm``,
-        ``gigpo``, the discounted ones).
-      max_turns: model turns per episode.
-      eval_every: held-out evaluation every N steps (0: only before and after RL). Every
-        evaluation writes ``eval/heldout_success``, ``..._truncated``, ``..._goal_adherence`` and
-        ``eval/heldout_bug_type/<type>`` to the metrics; the mid-run results are kept whole in
-        ``summary.json`` under ``eval_mid`` (by step), so paired gains can be computed later.
-      ckpt_every: RL checkpoint every N steps (and at the end).
-      log_tool_calls: append every tool call of every rollout to ``tool_calls.jsonl``, each row
-        with the ``step`` (as in ``metrics.jsonl``) and ``attempt`` it belongs to.
-      eval_before: evaluate the SFT checkpoint on the held-out split before RL. When False and
-        ``init_from`` is a run dir whose ``summary.json`` holds its own before-RL evaluation
-        of that SFT checkpoint under the same ``eval`` section and dtype policy, that
-        evaluation is reused (``eval_before_from`` in the summary names it), so RL-only runs
-        from one SFT run still report paired gains. It was computed by that run's code: after
-        a change to the environment or the evaluation, set ``eval_before=True`` instead.
-      greedy_member: the last rollout of each group decodes greedily (argmax, as greedy
-        evaluation does) instead of sampling. Greedy-only failures (e.g. repeating a rejected
-        call) then reach the gradient: a greedy member that fails where its sampled siblings
-        succeed gets a negative advantage. Its logprobs are the untempered policy's, like every
-        rollout's. One at most: two greedy members would play the same episode. Needs
-        ``data.group_size >= 2``.
-      guide_groups: off-policy guidance (LUFFY-style, 0 = off): in up to this many groups per
-        step whose sampled members all failed, the first member's episode is replaced by the
-        scripted expert's on the same task (``EnvSpec.expert``, no detours;
-        ``train/guidance.py``). Its reward makes the group informative, so the expert's turns
-        get a positive group-baselined advantage and the failed members a negative one. The
-        expert's "rollout" logprobs are the current policy's teacher-forced ones (importance
-        ratio 1 at the update's first epoch). Step metrics (``success``, ``reward``, ...) and
-        the task pipeline's difficulty estimates see the sampled episodes only;
-        ``guided_groups`` counts the replacements.
-        Dense models only (a scripted episode has no recorded MoE routes).
-      guide_source: where ``guide_groups``' successful episode comes from: ``"expert"`` (above)
-        or ``"policy"``: ``guide_samples`` more episodes of the current policy on each such
-        task (one batched rollout per round), the first success replacing the first member,
-        with its own rollout logprobs and routes. On-policy rejection sampling on the tasks
-        the group alone failed: the rare success gets the group's positive advantage.
-      guide_samples: extra samples per all-failed group for ``guide_source="policy"``.
-    """
-
-    rl_steps: int = 40
-    sft: bool = True
-    init_from: str = ""
-    advantage: str = "grpo"
-    advantage_kwargs: dict = dataclasses.field(default_factory=dict)
-    process_weights: dict = dataclasses.field(default_factory=dict)
-    max_turns: int = 8
-    eval_every: int = 0
-    ckpt_every: int = 10
-    log_tool_calls: bool = True
-    eval_before: bool = True
-    greedy_member: bool = False
-    guide_groups: int = 0
-    guide_source: str = "expert"
-    guide_samples: int = 8
-
-    def __post_init__(self):
-        for name in (
-            "rl_steps",
-            "max_turns",
-            "eval_every",
-            "ckpt_every",
-            "guide_groups",
-            "guide_samples",
-        ):
-            if getattr(self, name) < (
-                0 if name in ("rl_steps", "eval_every", "guide_groups") else 1
-            ):
-                raise ValueError(f"TrainConfig.{name}={getattr(self, name)} is out of range")
-        if self.guide_source not in ("expert", "policy"):
-            raise ValueError(
-                f"TrainConfig.guide_source={self.guide_source!r} must be 'expert' or 'policy'"
-            )
-        get_advantage(self.advantage)  # ValueError lists the registered names
-
-
 @dataclasses.dataclass
 class Collected:
     """What one step's rollouts produced (host side).
@@ -168,6 +86,10 @@ class Collected:
       data_metrics: the task pipeline's metrics of the step.
       calls, rejected_calls: model turns, and turns answered by an error.
       seconds: wall time of the rollouts.
+      specs: the task of every rolled-out group (``TASK_KEYS``), in rollout order.
+      used: the ``store`` index of each update-batch group.
+      extras: what the asynchronous rollout side adds: the pipeline state after this batch
+        (``data_state``) and the batch's rollout counters (``train/async_rl.py``).
     """
 
     store: list[Rows]
@@ -176,6 +98,9 @@ class Collected:
     calls: int
     rejected_calls: int
     seconds: float
+    specs: list[dict] = dataclasses.field(default_factory=list)
+    used: list[int] = dataclasses.field(default_factory=list)
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class RLRun:
@@ -189,8 +114,11 @@ class RLRun:
       resume: continue from the newest intact RL checkpoint in ``run_dir`` if there is one
         (newer unusable ones are set aside: ``Checkpointer.restore``).
       attempt: the process's attempt at the run (``train/runs.py``), written into every
-        ``tool_calls.jsonl`` row.
+        ``tool_calls.jsonl`` and ``tasks.jsonl`` row.
       placement: the run's mesh (``train/placement.py``; default: the default device).
+
+    With ``rl.max_staleness`` > 0 or ``train.overlap_env``, ``driver`` is the asynchronous
+    rollout side (``train/async_rl.py``), started by the first ``step``; :meth:`close` stops it.
 
     Raises:
       ValueError: ``resume`` and no RL checkpoint of the run is intact, or the checkpoint does
@@ -244,16 +172,28 @@ class RLRun:
         self.start_step = 0
         self.attempt = attempt
         self._log_step = 0  # the metrics step of the iteration running (tool-call rows)
+        self._sources = SourcePasses(s.model, s.rollout, s.rl) if s.rl.mismatch_sources else None
+        self.driver = None  # the asynchronous rollout side (rl.max_staleness > 0)
+        versions = None
         if resume and self.ckpt.latest_step() is not None:
-            self._restore()
+            versions = self._restore()
             self.state = self.placement.place_state(self.state, tx)
+        if s.rl.max_staleness > 0 or s.train.overlap_env:
+            if self.placement.multi_process:
+                raise ValueError(
+                    "rl.max_staleness > 0 and train.overlap_env run on one process; this run has "
+                    f"{jax.process_count()} processes"
+                )
+            self.driver = AsyncDriver(self, versions)
 
     # checkpoints -------------------------------------------------------------------------------
     def save(self, step: int) -> None:
-        """Writes RL checkpoint ``step``: the learner state, the task pipeline, the fallback."""
+        """Writes RL checkpoint ``step``: the learner state, the task pipeline, the fallback; with
+        ``rl.max_staleness`` > 0 also the older policy versions the batches to come start from
+        (their rollouts are replayed from these, the pipeline state and the rollout keys)."""
         s, c = self.state, self.controller
         meta = {
-            "data": self.pipeline.state(),
+            "data": self.pipeline.state() if self.driver is None else self.driver.data_state(),
             "nonfinite_count": int(s.nonfinite_count),
             "consecutive_nonfinite": int(s.consecutive_nonfinite),
             "train_step": int(s.step),
@@ -264,11 +204,23 @@ class RLRun:
                 "calls": c.calls,
             },
         }
-        self.ckpt.save(step, params=s.params, opt_state=s.opt_state, rng=s.rng, meta=meta)
+        extra = None
+        if self.driver is not None:
+            extra, meta["async"] = self.driver.checkpoint_versions(step)
+            extra = extra or None  # k = 0: no older version
+        self.ckpt.save(
+            step, params=s.params, opt_state=s.opt_state, rng=s.rng, meta=meta, extra=extra
+        )
 
-    def _restore(self) -> None:
+    def _restore(self) -> dict | None:
+        """Restores the newest intact checkpoint; returns the older policy versions it holds
+        (``{version: (params, policy)}``, asynchronous runs) or None."""
+        k = self.rl_cfg.max_staleness
         out = self.ckpt.restore(
-            params=self.state.params, opt_state=self.state.opt_state, set_aside=True
+            params=self.state.params,
+            opt_state=self.state.opt_state,
+            set_aside=True,
+            extra=[self.state.params] * k if k else None,
         )
         meta = out["meta"]
         self.pipeline.restore(meta["data"])
@@ -287,35 +239,61 @@ class RLRun:
         c.consecutive, c.remaining, c.calls = fb["consecutive"], fb["remaining"], fb["calls"]
         self.start_step = out["step"]
         log.info("resumed RL from step %d of %s", self.start_step, self.run_dir)
+        if not k:
+            return None
+        saved = meta["async"]
+        return {
+            int(v): (params, get_policy(name))
+            for v, name, params in zip(saved["versions"], saved["policies"], out["extra"])
+        }
+
+    def close(self) -> None:
+        """Stops the asynchronous rollout side (if any) and closes the checkpointer."""
+        if self.driver is not None:
+            self.driver.close()
+        self.ckpt.close()
 
     # one iteration -----------------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
         """One RL iteration (module docstring); returns its metrics."""
+        if self.driver is not None:
+            return self.driver.step(step)
         self._log_step = step + 1
         with self.placement.host_context():
             collected = self.collect(step)
+            self.log_tasks(step, collected)
             batch = self.score(collected.batch)
+            sources = self.mismatch_sources(batch, step, lambda v: None)
         t1 = time.perf_counter()
+        metrics = self.update(batch)
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        return self.metrics(metrics, collected, batch, time.perf_counter() - t1) | sources
+
+    def update(self, batch: Rows) -> dict[str, jax.Array]:
+        """The update on a scored batch (behind the precision fallback); returns its metrics."""
         update_in = self.placement.place_batch(update_batch(batch))
         self.state, metrics = self.controller(self.state, update_in, None)
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        return self.metrics(metrics, collected, batch, time.perf_counter() - t1)
+        return metrics
 
-    def collect(self, step: int) -> Collected:
-        """Plays the step's task groups (refill rounds included) and assembles the batch."""
+    def collect(self, step: int, play: PlayFn | None = None) -> Collected:
+        """Plays the step's task groups (refill rounds included) and assembles the batch;
+        ``play`` plays episodes (default :meth:`play`, the current parameters)."""
+        play = play or self.play
         t0 = time.perf_counter()
         store: list[Rows] = []
+        specs: list[dict] = []
         self._calls = [0, 0]
         self._kv_peak = 0  # largest per-episode KV bytes on the live pools this step
         guidance = Guidance(
-            self.loop, self.env, self.tokenizer, self.sampling.max_len, self.batch_size, self.play
+            self.loop, self.env, self.tokenizer, self.sampling.max_len, self.batch_size, play
         )
         rounds = [0]
 
         def rollout_round(items):
             key = jax.random.fold_in(jax.random.fold_in(self.rollout_key, step), rounds[0])
             rounds[0] += 1
-            return self._round(items, key, store, guidance)
+            specs.extend({k: it[k] for k in TASK_KEYS if k in it} for it in items)
+            return self._round(items, key, store, guidance, play, step)
 
         kept, data_metrics = self.pipeline.collect(rollout_round)
         used = [g["rows"] for g in kept]
@@ -330,18 +308,48 @@ class RLRun:
         for j, p in enumerate(parts):
             p["group_ids"] = np.full_like(p["group_ids"], j)
         batch = concat_rows(parts, self.sampling.max_len)
-        return Collected(store, batch, data_metrics, *self._calls, seconds=time.perf_counter() - t0)
+        return Collected(
+            store,
+            batch,
+            data_metrics,
+            *self._calls,
+            seconds=time.perf_counter() - t0,
+            specs=specs,
+            used=used,
+        )
 
-    def _round(self, items: list[dict], key, store: list[Rows], guidance: Guidance) -> list[dict]:
+    def log_tasks(self, step: int, c: Collected) -> None:
+        """Appends the step's tasks to ``tasks.jsonl``: every group rolled out (``drawn``, in
+        rollout order) and the ones the update used (``used``: indices into ``drawn``)."""
+        if not self.placement.primary:
+            return
+        row = {"step": step + 1, "attempt": self.attempt, "drawn": c.specs, "used": c.used}
+        with JsonlWriter(os.path.join(self.run_dir, TASKS_FILE)) as f:
+            f.write(row)
+
+    def mismatch_sources(self, batch: Rows, step: int, version_params) -> dict[str, float]:
+        """``mismatch_src/*`` of the batch (``rl.mismatch_sources``; else empty): the policy
+        version ``step``'s parameters are the current ones, ``version_params(v)`` gives an
+        older version's ``(params, policy)``."""
+        if self._sources is None:
+            return {}
+        current = (self.state.params, self.controller.active)
+        return self._sources(batch, step, current, version_params)
+
+    def _round(
+        self, items: list[dict], key, store: list[Rows], guidance: Guidance, play, step: int
+    ) -> list[dict]:
         """One rollout round: ``group_size`` episodes per task (the last one greedy with
         ``train.greedy_member``); returns the pipeline's group records."""
         g = self.data_cfg.group_size
         greedy = (np.arange(g) == g - 1) & self.loop.greedy_member  # per group member
         tasks = [it["task"] for it in items]
-        traj = self.play(tasks, g, key, np.tile(greedy, len(items)))
+        traj = play(tasks, g, key, np.tile(greedy, len(items)))
         groups = []
         for i in range(len(items)):
             rows = select_rows(traj, np.arange(i * g, (i + 1) * g))
+            if "policy_versions" not in rows:  # sampled by the parameters of version ``step``
+                rows["policy_versions"] = np.where(rows["action_mask"], step, -1).astype(np.int32)
             rows["greedy"] = greedy
             rows["guided"] = np.zeros(g, bool)
             store.append(rows)
@@ -355,12 +363,25 @@ class RLRun:
         guidance.apply(tasks, groups, store, jax.random.fold_in(key, 1))
         return groups
 
+    def episode_options(self, tasks: list, k: int, greedy: np.ndarray) -> dict[str, Any]:
+        """The agent-loop arguments of ``k`` episodes per task (besides model, params, tasks,
+        environment, sampling and key): slots, turn limit, process weights, groups, greedy."""
+        return dict(
+            # One slot count for every call: fewer tasks (a refill round, a guide batch) leave
+            # slots idle instead of compiling the sampler for another batch shape.
+            n_slots=self.batch_size,
+            max_turns=self.loop.max_turns,
+            process_weights=self.loop.process_weights,
+            group_ids=[i for i in range(len(tasks)) for _ in range(k)],
+            greedy=[bool(x) for x in greedy],
+        )
+
     def play(self, tasks: list, k: int, key, greedy: np.ndarray):
         """``k`` episodes of the current policy per task (group ``i`` = task ``i``), counted in
         the rejected-call rate and logged to ``tool_calls.jsonl`` (with step and attempt). With
         several processes each plays its block of the episodes (``placement.play_sharded``)."""
         episodes = [t for t in tasks for _ in range(k)]
-        groups = [i for i in range(len(tasks)) for _ in range(k)]
+        opts = self.episode_options(tasks, k, greedy)
 
         def play_block(lo: int, hi: int):
             return run_episodes(
@@ -371,25 +392,24 @@ class RLRun:
                 self.tokenizer,
                 self.sampling,
                 key,
-                # One slot count for every call: fewer tasks (a refill round, a guide batch) leave
-                # slots idle instead of compiling the sampler for another batch shape.
-                n_slots=self.batch_size,
-                max_turns=self.loop.max_turns,
-                process_weights=self.loop.process_weights,
-                group_ids=groups[lo:hi],
-                greedy=[bool(x) for x in greedy[lo:hi]],
+                **{**opts, "group_ids": opts["group_ids"][lo:hi], "greedy": opts["greedy"][lo:hi]},
                 first_uid=lo,
             )
 
         traj = play_sharded(play_block, len(episodes))
+        self.account(traj, self._log_step)
+        return traj
+
+    def account(self, traj, log_step: int) -> None:
+        """Counts ``traj``'s calls and rejected calls and logs them to ``tool_calls.jsonl`` as
+        rows of metrics step ``log_step`` (process 0 writes)."""
         if self.loop.log_tool_calls and self.placement.primary:
             with JsonlWriter(os.path.join(self.run_dir, TOOL_CALLS_FILE)) as f:
                 for row in traj.logs:
-                    f.write({"step": self._log_step, "attempt": self.attempt, **row})
+                    f.write({"step": log_step, "attempt": self.attempt, **row})
         self._calls[0] += len(traj.logs)
         self._kv_peak = max([self._kv_peak, *(r["kv_bytes"] for r in traj.logs)])
         self._calls[1] += sum(bool(r.get("error")) for r in traj.logs)
-        return traj
 
     def score(self, batch: Rows) -> Rows:
         """The batch with ``advantages`` (and the critic's ``old_values`` / ``value_targets``,

@@ -190,3 +190,16 @@ def test_with_reps():
     ]
     assert results_md.with_reps("parity", [], 4) == []
     assert results_md.with_reps("env", ["--reps", "3"], None) == ["--reps", "3"]
+
+
+def test_a_benchmark_with_variant_columns_gets_one_table_per_variant():
+    machine = {"machine": "m", "_file": "m-2026-01-01.jsonl"}
+    rows = [
+        {"bench": "async_rl", "variant": "throughput", "env": "e", "max_staleness": 1,
+         "steps_per_hour": 360.0, **machine},
+        {"bench": "async_rl", "variant": "resume", "config": "c", "resume_bitwise": True,
+         **machine},
+    ]  # fmt: skip
+    text = results_md.render_bench("async_rl", rows)
+    assert text.count("**m**") == 2  # a header per table
+    assert "| e | 1 |  |  | 360 |" in text and "| c | yes |" in text

@@ -143,3 +143,22 @@ def test_bad_input_raises_naming_field(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         mismatch.mismatch_metrics(**args)
+
+
+def test_mismatch_by_source_hand_computed():
+    f = lambda x: jnp.asarray([x], jnp.float32)  # noqa: E731
+    rollout = f([0.0, -1.0, -2.0, -3.0])
+    behaviour = f([0.0, -1.1, -2.0, -9.0])  # position 3 is masked out
+    current = f([0.0, -1.0, -2.5, -9.0])
+    routing = f([0.0, -1.0, -2.3, -9.0])
+    mask = jnp.asarray([[False, True, True, False]])
+    out = mismatch.mismatch_by_source(rollout, behaviour, current, mask, logp_routing_alt=routing)
+    want = {"lag": (0.1 + 0.5) / 2, "numerics": 0.1 / 2, "routing": 0.2 / 2, "kv": 0.0}
+    for name, value in want.items():
+        np.testing.assert_allclose(float(out[name]), value, rtol=1e-5)
+        np.testing.assert_allclose(float(out[f"{name}_share"]), value / 0.45, rtol=1e-5)
+    np.testing.assert_allclose(float(out["total"]), 0.5 / 2, rtol=1e-5)
+    same = mismatch.mismatch_by_source(rollout, rollout, rollout, mask)
+    assert all(float(v) == 0.0 for v in same.values())
+    with pytest.raises(ValueError, match="logp_kv_alt must have shape \\(1, 4\\)"):
+        mismatch.mismatch_by_source(rollout, behaviour, current, mask, logp_kv_alt=rollout[:, :2])
