@@ -169,8 +169,6 @@ class JsonlWriter:
         self.close()
 
 
-
-
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Reads a JSONL file written by :class:`JsonlWriter` / :class:`MetricsWriter`.
 

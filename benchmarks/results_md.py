@@ -136,6 +136,7 @@ COLUMNS: dict[str, str] = {
         "param_bytes_per_device=param bytes/device; opt_bytes_per_device=opt bytes/device; "
         "ratio_bytes_vs_single=bytes vs 1 device; full_shard_ratio_x_n=full shards x N; "
         "step_ms=step ms; compiled_temp_bytes_per_device=temp bytes/device"
+    ),
     "async_rl:throughput": (
         "env; max_staleness=k; env_overlap=env overlap; sync_every_rounds=switch every; "
         "steps_per_hour=steps/h; "

@@ -358,8 +358,9 @@ def _pad_value(key: str, a: np.ndarray):
 
 
 def concat_rows(parts: list[Rows], length: int) -> Rows:
-    """Concatenates row dicts along the batch, padding time to ``length`` (``turn_ids`` and
-    ``sparse_blocks`` and ``policy_versions`` with -1, the int32 KV marks with ``NEVER``, everything else with 0).
+    """Concatenates row dicts along the batch, padding time to ``length`` (``turn_ids``,
+    ``sparse_blocks`` and ``policy_versions`` with -1, the int32 KV marks with ``NEVER``,
+    everything else with 0).
 
     Raises:
       ValueError: a part longer than ``length``.

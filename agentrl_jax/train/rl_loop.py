@@ -36,6 +36,7 @@ import numpy as np
 
 from agentrl_jax.metrics import JsonlWriter, memory_metrics
 from agentrl_jax.model.transformer import Transformer
+from agentrl_jax.precision import get_policy
 from agentrl_jax.rl.advantages import get_advantage
 from agentrl_jax.rl.attention_credit import attention_credit_mass
 from agentrl_jax.rl.credit import CreditInputs
