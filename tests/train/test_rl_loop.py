@@ -264,9 +264,9 @@ def test_guide_groups_put_the_expert_in_failed_groups(tmp_path):
     tasks = []
     real_round = run_._round
 
-    def record_tasks(items, key, store, guidance):
+    def record_tasks(items, *rest):
         tasks.extend(it["task"] for it in items)
-        return real_round(items, key, store, guidance)
+        return real_round(items, *rest)
 
     run_._round = record_tasks
     metrics = run_.step(0)
