@@ -17,7 +17,7 @@ mesh       ``MeshConfig``                       ``sharding.py``
 sft        ``SFTConfig``                        ``train/sft.py``
 eval       ``EvalConfig``                       ``train/evaluate.py``
 data       ``DataConfig``                       ``data/pipeline.py``
-rollout    ``SamplingConfig``                   ``rollout/sampler.py``
+rollout    ``RolloutConfig``                   ``rollout/sampler.py``
 rl         ``RLConfig`` (+ nested ``loss``)     ``rl/state.py``, ``rl/losses.py``
 train      ``TrainConfig``                      ``train/loop_config.py``
 =========  ===================================  ==========================================
@@ -38,7 +38,7 @@ from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.precision import DTypePolicy, get_policy
 from agentrl_jax.rl.losses import LossConfig
 from agentrl_jax.rl.state import RLConfig
-from agentrl_jax.rollout.sampler import SamplingConfig
+from agentrl_jax.rollout.sampler import RolloutConfig
 from agentrl_jax.sharding import MeshConfig
 from agentrl_jax.train.evaluate import EvalConfig, eval_data_config
 from agentrl_jax.train.loop_config import TrainConfig
@@ -68,7 +68,7 @@ def base_config() -> ConfigDict:
     cfg.sft = _section(SFTConfig)  # supervised warm start
     cfg.eval = _section(EvalConfig)  # held-out evaluation
     cfg.data = _section(DataConfig)  # task pipeline: difficulty band, diversity
-    cfg.rollout = _section(SamplingConfig)  # sampler and KV-cache shape
+    cfg.rollout = _section(RolloutConfig)  # sampler and KV-cache shape
     cfg.rl = _section(RLConfig)  # optimiser, PPO, losses, corrections, fallback
     cfg.train = _section(TrainConfig)  # the RL loop
     return cfg
@@ -90,7 +90,7 @@ class Sections:
     sft: SFTConfig
     eval: EvalConfig
     data: DataConfig
-    rollout: SamplingConfig
+    rollout: RolloutConfig
     rl: RLConfig
     train: TrainConfig
 
@@ -126,7 +126,7 @@ def build(cfg: ConfigDict) -> Sections:
         sft=to_dataclass(cfg.sft, SFTConfig),
         eval=to_dataclass(cfg.eval, EvalConfig),
         data=to_dataclass(cfg.data, DataConfig),
-        rollout=to_dataclass(cfg.rollout, SamplingConfig),
+        rollout=to_dataclass(cfg.rollout, RolloutConfig),
         rl=rl_config(cfg.rl),
         train=to_dataclass(cfg.train, TrainConfig),
     )

@@ -45,7 +45,7 @@ from agentrl_jax.hf import load_pretrained  # noqa: E402
 from agentrl_jax.hf.tiny import FAMILY_NAMES, make_tiny_hf  # noqa: E402
 from agentrl_jax.model.transformer import Transformer, param_count, token_logprobs  # noqa: E402
 from agentrl_jax.precision import get_policy  # noqa: E402
-from agentrl_jax.rollout.sampler import SamplingConfig, get_sampler  # noqa: E402
+from agentrl_jax.rollout.sampler import RolloutConfig, get_sampler  # noqa: E402
 
 N_NEW = 32
 
@@ -63,7 +63,7 @@ def cpu_model() -> str:
 
 def generate(cfg, policy, params, prompt, *, greedy: bool, seed: int = 0) -> np.ndarray:
     """The project's sampler: ``N_NEW`` tokens after ``prompt`` [B, T] (no stop token)."""
-    sampler = get_sampler(Transformer(cfg, policy), SamplingConfig(max_new_tokens=N_NEW))
+    sampler = get_sampler(Transformer(cfg, policy), RolloutConfig(max_new_tokens=N_NEW))
     b, t = prompt.shape
     state = sampler.init_state(b)
     toks = np.zeros((b, sampler.prefill_width(t)), np.int32)

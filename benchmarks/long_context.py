@@ -56,7 +56,7 @@ from agentrl_jax.rollout.agent_loop import run_episodes
 from agentrl_jax.rollout.kv_cache import EvictionConfig, KVLayout
 from agentrl_jax.rollout.loop_state import RolloutStats
 from agentrl_jax.rollout.parity import trainer_logprobs
-from agentrl_jax.rollout.sampler import Sampler, SamplingConfig
+from agentrl_jax.rollout.sampler import RolloutConfig, Sampler
 
 log = logging.getLogger("long_context")
 PAGE, NEW_PER_TURN, PROMPT = 16, 16, 32
@@ -88,9 +88,9 @@ class ToolEnv:
         return obs, StepResult(done=done, outcome_reward=float(done), process={}, log=log_)
 
 
-def sampling(context: int, parity: bool = False, **kw) -> SamplingConfig:
+def sampling(context: int, parity: bool = False, **kw) -> RolloutConfig:
     max_len = -(-(context + 2 * PAGE) // PAGE) * PAGE
-    return SamplingConfig(
+    return RolloutConfig(
         max_new_tokens=NEW_PER_TURN, max_len=max_len, page_size=PAGE, chunk=4,
         prefill_chunk=None if parity else 128, **kw,
     )  # fmt: skip

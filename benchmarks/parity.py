@@ -37,7 +37,7 @@ from agentrl_jax.rl.mismatch import mismatch_metrics
 from agentrl_jax.rollout.agent_loop import run_episodes
 from agentrl_jax.rollout.kv_cache import EvictionConfig
 from agentrl_jax.rollout.parity import trainer_logprobs
-from agentrl_jax.rollout.sampler import SamplingConfig, get_sampler
+from agentrl_jax.rollout.sampler import RolloutConfig, get_sampler
 
 MODEL = preset("small-moe-sssf", window=16, d_expert=32, init_std=0.1)
 FULL_KV: dict[str, float] = {}  # policy -> KV bytes per cached token of its 'full' run
@@ -46,7 +46,7 @@ FULL_KV: dict[str, float] = {}  # policy -> KV bytes per cached token of its 'fu
 def measure(policy_name, kv_option, args, params, tok, tasks):
     policy = get_policy(policy_name)
     model = Transformer(MODEL, policy)
-    cfg = SamplingConfig(
+    cfg = RolloutConfig(
         max_new_tokens=12,
         max_len=256,
         page_size=8,

@@ -32,10 +32,10 @@ from common import NEW, PROMPT, bench_model, env_fields, time_ms
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rollout.kv_cache import KVLayout, PagePool
-from agentrl_jax.rollout.sampler import Sampler, SamplingConfig, sample_tokens, token_keys
+from agentrl_jax.rollout.sampler import RolloutConfig, Sampler, sample_tokens, token_keys
 
 
-def nocache_fn(model, cfg: SamplingConfig, batch: int):
+def nocache_fn(model, cfg: RolloutConfig, batch: int):
     """Decoder without a cache: every step runs the full forward over the whole buffer."""
     total = PROMPT + NEW
 
@@ -59,7 +59,7 @@ def nocache_fn(model, cfg: SamplingConfig, batch: int):
 def kv_bytes_8k(mcfg, policy, page_size: int = 16, n_tokens: int = 8192) -> int:
     """KV bytes one sequence of ``n_tokens`` holds in a sampler cache: its pages in the shared
     pool x the page bytes of the allocated buffers, plus the per-slot rings."""
-    cfg = SamplingConfig(max_len=n_tokens, page_size=page_size, chunk=4)
+    cfg = RolloutConfig(max_len=n_tokens, page_size=page_size, chunk=4)
     state = Sampler(Transformer(mcfg, policy), cfg).init_state(1, n_tokens // page_size)
     pool = PagePool(1, n_tokens // page_size, page_size, n_tokens)
     pool.ensure(0, n_tokens)
@@ -73,7 +73,7 @@ def bench_one(kind, pattern, batch, args):
     model = Transformer(mcfg, policy)
     params = init_params(model, jax.random.key(0))
     chunk = 4 if policy.parity else args.chunk
-    cfg = SamplingConfig(
+    cfg = RolloutConfig(
         max_new_tokens=NEW,
         max_len=PROMPT + NEW,
         page_size=16,

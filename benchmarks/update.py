@@ -43,7 +43,7 @@ from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy, policy_names
 from agentrl_jax.rl.state import RLConfig, init_train_state
 from agentrl_jax.rl.update import make_update_fn
-from agentrl_jax.rollout.sampler import SamplingConfig, get_sampler
+from agentrl_jax.rollout.sampler import RolloutConfig, get_sampler
 
 BATCH = 8
 
@@ -135,7 +135,7 @@ def measure(kind: str, pattern: str, args) -> dict:
     }
 
     if args.iteration == "all" or f"{kind}-{pattern}" in args.iteration.split(","):
-        scfg = SamplingConfig(max_new_tokens=NEW, chunk=4, page_size=16, max_len=256)
+        scfg = RolloutConfig(max_new_tokens=NEW, chunk=4, page_size=16, max_len=256)
         sampler = get_sampler(model, scfg)
         prompts = rng.integers(0, cfg.vocab_size, (BATCH, PROMPT)).astype(np.int32)
         t0 = time.perf_counter()

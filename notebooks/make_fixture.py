@@ -37,7 +37,7 @@ from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rollout.agent_loop import run_episodes
-from agentrl_jax.rollout.sampler import SamplingConfig
+from agentrl_jax.rollout.sampler import RolloutConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "fixtures", "coderepair_trajectories.npz")
@@ -116,7 +116,7 @@ def generate(n_tasks: int = 8, seed: int = 0) -> dict[str, np.ndarray]:
             )
     model = Transformer(TINY, get_policy("fp32"))
     params = init_params(model, jax.random.key(seed))
-    sampling = SamplingConfig(max_new_tokens=12, max_len=384, chunk=4, prefill_chunk=64)
+    sampling = RolloutConfig(max_new_tokens=12, max_len=384, chunk=4, prefill_chunk=64)
     traj = run_episodes(
         model,
         params,

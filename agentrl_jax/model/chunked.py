@@ -92,7 +92,7 @@ class ChunkSpec:
 
 def as_chunk_spec(meta: Any) -> ChunkSpec | None:
     """``ChunkSpec`` from a ChunkSpec, a dict or any object with ``chunk``/``page_size``/
-    ``max_len`` (and optionally ``n_slots``) attributes, e.g. the sampler's ``SamplingConfig``;
+    ``max_len`` (and optionally ``n_slots``) attributes, e.g. the sampler's ``RolloutConfig``;
     None stays None.
 
     Raises:

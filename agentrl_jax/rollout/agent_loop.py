@@ -55,7 +55,7 @@ from agentrl_jax.rollout.loop_state import (
     resolve_options,
     twin_slots,
 )
-from agentrl_jax.rollout.sampler import NEVER, SamplingConfig, get_sampler
+from agentrl_jax.rollout.sampler import NEVER, RolloutConfig, get_sampler
 from agentrl_jax.rollout.trajectory import (
     EpisodeRecord,
     Trajectory,
@@ -103,7 +103,7 @@ class AgentLoop:
         tasks: Sequence[Any],
         env_factory: Callable[[], Env],
         tokenizer: Tokenizer,
-        sampling_cfg: SamplingConfig,
+        sampling_cfg: RolloutConfig,
         rng: jax.Array,
         options: LoopOptions | None = None,
         *,
@@ -467,7 +467,7 @@ def run_episodes(
     tasks: Sequence[Any],
     env_factory: Callable[[], Env],
     tokenizer: Tokenizer,
-    sampling_cfg: SamplingConfig,
+    sampling_cfg: RolloutConfig,
     rng: jax.Array,
     options: LoopOptions | None = None,
     *,

@@ -21,7 +21,7 @@ from agentrl_jax.envs.base import Env
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.rollout.disaggregation import Disaggregation
 from agentrl_jax.rollout.kv_cache import EvictionConfig, KVLayout, PagePool
-from agentrl_jax.rollout.sampler import NEVER, DecodeState, SamplingConfig
+from agentrl_jax.rollout.sampler import NEVER, DecodeState, RolloutConfig
 from agentrl_jax.rollout.trajectory import EpisodeRecord, Trajectory, stack_episodes
 
 
@@ -91,7 +91,7 @@ class LoopOptions:
 
 
 def resolve_options(
-    options: LoopOptions | None, cfg: SamplingConfig, model_cfg: ModelConfig, n_tasks: int
+    options: LoopOptions | None, cfg: RolloutConfig, model_cfg: ModelConfig, n_tasks: int
 ) -> tuple[LoopOptions, EvictionConfig | None, int]:
     """The options a rollout of ``n_tasks`` runs with, its eviction policy and int8 pool size.
 
@@ -247,9 +247,7 @@ class LoopState:
             )
             self.marks_dirty = False
 
-    def stack(
-        self, cfg: SamplingConfig, route_shape, kv_masks: bool, block_size: int
-    ) -> Trajectory:
+    def stack(self, cfg: RolloutConfig, route_shape, kv_masks: bool, block_size: int) -> Trajectory:
         """The padded batch of the finished episodes (``stack_episodes``), padded to the
         longest rounded up to the decode chunk, with the per-turn logs."""
         done = [r for r in self.records if r is not None]

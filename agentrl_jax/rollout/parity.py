@@ -23,7 +23,7 @@ import numpy as np
 from agentrl_jax.model.chunked import NEVER, ChunkSpec, sequence_logprobs
 from agentrl_jax.model.transformer import Transformer
 from agentrl_jax.precision import DTypePolicy
-from agentrl_jax.rollout.sampler import SamplingConfig
+from agentrl_jax.rollout.sampler import RolloutConfig
 from agentrl_jax.rollout.trajectory import Trajectory
 
 
@@ -31,7 +31,7 @@ def rollout_aligned_logprobs(
     model: Transformer,
     params,
     tokens: jax.Array,
-    sampling_cfg: SamplingConfig | None = None,
+    sampling_cfg: RolloutConfig | None = None,
     *,
     evict_at: jax.Array | None = None,
     int8_at: jax.Array | None = None,
@@ -85,7 +85,7 @@ def rollout_aligned_logprobs(
 
 
 @functools.cache
-def _logprob_fn(model_cfg, policy: DTypePolicy, sampling_cfg: SamplingConfig | None, replay):
+def _logprob_fn(model_cfg, policy: DTypePolicy, sampling_cfg: RolloutConfig | None, replay):
     model = Transformer(model_cfg, policy)
 
     @jax.jit
@@ -108,7 +108,7 @@ def trainer_logprobs(
     params,
     traj: Trajectory,
     policy: DTypePolicy | None = None,
-    sampling_cfg: SamplingConfig | None = None,
+    sampling_cfg: RolloutConfig | None = None,
     *,
     n_slots: int | None = None,
     replay_kv: bool = False,
@@ -147,7 +147,7 @@ def trainer_logprobs(
     if replay_kv and (traj.kv_evict_at is None or not policy.parity):
         raise ValueError("replay_kv needs traj.kv_evict_at and a parity policy")
     if replay_blocks and traj.sparse_blocks is None:
-        raise ValueError("replay_blocks needs traj.sparse_blocks (SamplingConfig.record_blocks)")
+        raise ValueError("replay_blocks needs traj.sparse_blocks (RolloutConfig.record_blocks)")
     never = np.full((b, t), NEVER, np.int32)
     evict = np.asarray(traj.kv_evict_at, np.int32) if replay_kv else never
     int8 = never

@@ -10,7 +10,7 @@ With ``Cp == C`` (forced for ``policy.parity``) every token's logits are compute
 ``model.chunked.chunked_logits`` with the same chunk, page size and ``max_len`` computes them
 in training (bitwise).
 
-Decode kernel: under non-parity policies (and ``SamplingConfig.decode_kernel``, the default)
+Decode kernel: under non-parity policies (and ``RolloutConfig.decode_kernel``, the default)
 decode feeds one row per step to a model built with ``decode_kernel=True``, so F/D layers attend
 through ``agentrl_jax.kernels.paged_decode_attention`` (impl from ``policy.kernel_impl``: XLA on
 CPU, Pallas on GPU/TPU) reading the page pool and block tables directly; S layers keep their ring
@@ -23,7 +23,7 @@ int8 pool (``init_state(int8_pages=...)``): F/D layers get a second pool of int8
 own block tables (``cache['int8_tables']``, filled by the agent loop); pages whose tokens are all
 int8 are stored there and their float pages freed (``rollout.kv_cache``), with the same numbers.
 
-Block records (``SamplingConfig.record_blocks``): every F layer's block selection of every
+Block records (``RolloutConfig.record_blocks``): every F layer's block selection of every
 computed token (prefill and decode) is kept in ``DecodeState.blocks`` by position, for the agent
 loop to copy into the trajectory (``Trajectory.sparse_blocks``) and the trainer to replay.
 
@@ -60,7 +60,7 @@ from agentrl_jax.model.chunked import NEVER, fixed_order_logprobs
 from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache
 from agentrl_jax.rollout import slots
 from agentrl_jax.rollout.cache_sharding import place_decode_state
-from agentrl_jax.rollout.sampling_config import SamplingConfig  # noqa: F401 - re-exported
+from agentrl_jax.rollout.rollout_config import RolloutConfig  # noqa: F401 - re-exported
 
 
 class DecodeState(NamedTuple):
@@ -102,7 +102,7 @@ class DecodeOut(NamedTuple):
     finished: jax.Array
 
 
-def filter_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+def filter_logits(logits: jax.Array, cfg: RolloutConfig) -> jax.Array:
     """Sampling logits: fp32 [..., V] / temperature, top-k then top-p masked to -inf."""
     x = logits.astype(jnp.float32) / jnp.float32(cfg.temperature)
     if cfg.top_k and cfg.top_k < x.shape[-1]:
@@ -123,7 +123,7 @@ def token_keys(rng: jax.Array, uids: jax.Array, positions: jax.Array) -> jax.Arr
 
 
 def sample_tokens(
-    logits: jax.Array, keys: jax.Array, cfg: SamplingConfig, greedy_rows: jax.Array | None = None
+    logits: jax.Array, keys: jax.Array, cfg: RolloutConfig, greedy_rows: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row. logits fp32 [B, V], keys [B] -> (int32 [B], logprob f32 [B]).
 
@@ -162,11 +162,11 @@ class Sampler:
     Build with :func:`get_sampler` (cached, so tests and loops share compiles).
     """
 
-    def __init__(self, model: Transformer, cfg: SamplingConfig):
+    def __init__(self, model: Transformer, cfg: RolloutConfig):
         mcfg = model.cfg
         if "F" in mcfg.layer_pattern and cfg.page_size % mcfg.sparse_block_size:
             raise ValueError(
-                f"SamplingConfig.page_size={cfg.page_size} must be a multiple of "
+                f"RolloutConfig.page_size={cfg.page_size} must be a multiple of "
                 f"sparse_block_size={mcfg.sparse_block_size}"
             )
         record = cfg.record_blocks and "F" in mcfg.layer_pattern
@@ -452,10 +452,10 @@ class Sampler:
 
 
 @functools.cache
-def _cached_sampler(model_cfg, policy, cfg: SamplingConfig) -> Sampler:
+def _cached_sampler(model_cfg, policy, cfg: RolloutConfig) -> Sampler:
     return Sampler(Transformer(model_cfg, policy), cfg)
 
 
-def get_sampler(model: Transformer, cfg: SamplingConfig) -> Sampler:
+def get_sampler(model: Transformer, cfg: RolloutConfig) -> Sampler:
     """The (cached) :class:`Sampler` of ``model`` (its config and policy) and ``cfg``."""
     return _cached_sampler(model.cfg, model.policy, cfg)

@@ -21,11 +21,11 @@ import numpy as np
 from agentrl_jax.envs.base import StepResult
 from agentrl_jax.rollout.kv_cache import EvictionConfig
 from agentrl_jax.rollout.loop_state import EpisodeSlot, LoopState
-from agentrl_jax.rollout.sampler import NEVER, SamplingConfig
+from agentrl_jax.rollout.sampler import NEVER, RolloutConfig
 from agentrl_jax.rollout.trajectory import EpisodeRecord
 
 
-def turn_ended(slot: EpisodeSlot, cfg: SamplingConfig, cap: int) -> bool:
+def turn_ended(slot: EpisodeSlot, cfg: RolloutConfig, cap: int) -> bool:
     """Whether the slot's turn is over: a stop token, ``max_new_tokens`` or ``cap`` tokens."""
     last = slot.turn_toks[-1] if slot.turn_toks else None
     return (

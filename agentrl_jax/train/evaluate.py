@@ -41,7 +41,7 @@ from agentrl_jax.data import DataConfig, TaskPipeline
 from agentrl_jax.envs.registry import EnvSpec, as_env
 from agentrl_jax.model.transformer import Transformer
 from agentrl_jax.rollout.agent_loop import run_episodes
-from agentrl_jax.rollout.sampler import SamplingConfig
+from agentrl_jax.rollout.sampler import RolloutConfig
 from agentrl_jax.train.eval_stats import pass_at_estimates
 
 EVAL_SPLITS = ("train", "heldout", "heldout_combo")
@@ -290,7 +290,7 @@ def evaluate(
         raise ValueError("tasks must be non-empty")
     env = as_env(env)
     tokenizer = env.tokenizer()
-    sampling = SamplingConfig(
+    sampling = RolloutConfig(
         temperature=cfg.temperature,
         greedy=greedy,
         max_new_tokens=cfg.max_new_tokens,

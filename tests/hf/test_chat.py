@@ -261,7 +261,7 @@ def test_agent_loop_plays_chat_env_unchanged(tokenizers):
     from agentrl_jax.model.transformer import Transformer
     from agentrl_jax.precision import get_policy
     from agentrl_jax.rollout.agent_loop import run_episodes
-    from agentrl_jax.rollout.sampler import SamplingConfig
+    from agentrl_jax.rollout.sampler import RolloutConfig
 
     path, tok = tokenizers["qwen"]
     make_tiny_hf("qwen3", path, vocab_size=tok.vocab_size, num_hidden_layers=2)
@@ -269,7 +269,7 @@ def test_agent_loop_plays_chat_env_unchanged(tokenizers):
     traj = run_episodes(
         Transformer(cfg, get_policy("fp32")), params, TASKS[:2],
         lambda: ChatEnv(CodeRepairEnv(), tok), tok,
-        SamplingConfig(max_new_tokens=12, max_len=1024, page_size=16), jax.random.key(0),
+        RolloutConfig(max_new_tokens=12, max_len=1024, page_size=16), jax.random.key(0),
         max_turns=2,
     )  # fmt: skip
     for row, task in enumerate(TASKS[:2]):

@@ -14,7 +14,7 @@ from agentrl_jax.hf import load_pretrained, save_pretrained
 from agentrl_jax.hf.tiny import FAMILY_NAMES
 from agentrl_jax.model.transformer import Transformer, token_logprobs
 from agentrl_jax.precision import get_policy
-from agentrl_jax.rollout.sampler import SamplingConfig, get_sampler
+from agentrl_jax.rollout.sampler import RolloutConfig, get_sampler
 
 FAMILIES = pytest.mark.parametrize("family", FAMILY_NAMES)
 
@@ -77,7 +77,7 @@ def _generate(cfg, params, prompt, *, greedy, rng=0):
     """The project's sampler: prefill ``prompt`` [B, T], decode 32 tokens (no stop token);
     ``greedy`` rows take the argmax (one sampling config: one compile for both tests)."""
     model = Transformer(cfg, get_policy("fp32"))
-    sampling = SamplingConfig(max_new_tokens=32, max_len=128, page_size=16)
+    sampling = RolloutConfig(max_new_tokens=32, max_len=128, page_size=16)
     sampler = get_sampler(model, sampling)
     b, t = prompt.shape
     state = sampler.init_state(b)

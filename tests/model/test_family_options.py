@@ -15,7 +15,7 @@ from agentrl_jax.model.rope import apply_rope, rope_reference
 from agentrl_jax.model.sinks import sink_attention, sink_attention_reference
 from agentrl_jax.model.transformer import Transformer, forward_chunked, init_params
 from agentrl_jax.precision import get_policy
-from agentrl_jax.rollout.sampler import SamplingConfig, get_sampler
+from agentrl_jax.rollout.sampler import RolloutConfig, get_sampler
 
 FP32 = get_policy("fp32")
 
@@ -114,7 +114,7 @@ def test_sink_model_chunked_and_decode_match_teacher_forced():
         )
     )(params)
     np.testing.assert_allclose(np.asarray(chunked), np.asarray(teacher), atol=2e-5)
-    sampler = get_sampler(model, SamplingConfig(max_new_tokens=8, max_len=32, page_size=8))
+    sampler = get_sampler(model, RolloutConfig(max_new_tokens=8, max_len=32, page_size=8))
     state = sampler.init_state(2)
     toks = np.zeros((2, sampler.prefill_width(13)), np.int32)
     toks[:, :13] = np.asarray(tokens[:, :13])

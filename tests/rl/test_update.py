@@ -15,7 +15,7 @@ from agentrl_jax.rl.losses import LossConfig, aggregate, policy_loss
 from agentrl_jax.rl.state import RLConfig, init_train_state
 from agentrl_jax.rl.update import _micro_weights, make_grad_fn, make_update_fn, prepare_batch
 from agentrl_jax.rollout.parity import rollout_aligned_logprobs
-from agentrl_jax.rollout.sampler import SamplingConfig
+from agentrl_jax.rollout.sampler import RolloutConfig
 
 B, T = 4, 16
 CFG = ModelConfig(
@@ -200,7 +200,7 @@ def test_parity_recompute_is_bitwise_the_rollout_recompute(setup):
     with routing replay and recorded KV evictions (none in row 0)."""
     model, params, batch, logp_fn = setup
     pol = get_policy("fp32-parity")
-    sc = SamplingConfig(chunk=4, page_size=8, max_len=24)
+    sc = RolloutConfig(chunk=4, page_size=8, max_len=24)
     rng = np.random.default_rng(11)
     never = np.iinfo(np.int32).max
     evict = np.where(rng.random((B, T)) < 0.3, rng.integers(8, 20, (B, T)), never)

@@ -15,7 +15,7 @@ from agentrl_jax.envs.coderepair import CodeTokenizer
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
-from agentrl_jax.rollout.sampler import SamplingConfig
+from agentrl_jax.rollout.sampler import RolloutConfig
 
 CFG = ModelConfig(
     vocab_size=512,
@@ -34,7 +34,7 @@ CFG = ModelConfig(
     d_expert=16,
     init_std=0.2,
 )
-SAMPLING = SamplingConfig(max_new_tokens=6, max_len=128, page_size=8, chunk=4)
+SAMPLING = RolloutConfig(max_new_tokens=6, max_len=128, page_size=8, chunk=4)
 N_SLOTS = 3
 
 

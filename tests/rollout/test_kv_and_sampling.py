@@ -12,7 +12,7 @@ from agentrl_jax.precision import get_policy
 from agentrl_jax.rollout.kv_cache import EvictionConfig, PagePool, dense_kv_bytes, kv_bytes_per_seq
 from agentrl_jax.rollout.parity import trainer_logprobs
 from agentrl_jax.rollout.sampler import (
-    SamplingConfig,
+    RolloutConfig,
     filter_logits,
     sample_tokens,
 )
@@ -65,7 +65,7 @@ def _np_filter(x, temperature, top_k, top_p):
 def test_filter_logits_matches_numpy(temperature, top_k, top_p):
     rng = np.random.default_rng(top_k)
     x = rng.normal(size=(3, 40)).astype(np.float32) * 2
-    cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_len=16)
+    cfg = RolloutConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_len=16)
     got = np.asarray(filter_logits(jnp.asarray(x), cfg))
     for row in range(3):
         want = _np_filter(x[row].astype(np.float64), temperature, top_k, top_p)
@@ -80,7 +80,7 @@ def test_sample_tokens_greedy_rows():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.normal(size=(6, 40)).astype(np.float32) * 2)
     keys = jax.random.split(jax.random.key(5), 6)
-    cfg = SamplingConfig(temperature=1.3, max_len=16)
+    cfg = RolloutConfig(temperature=1.3, max_len=16)
     rows = np.array([True, False, True, False, False, True])
     free, _ = sample_tokens(x, keys, cfg)
     tok, lp = sample_tokens(x, keys, cfg, jnp.asarray(rows))
@@ -90,11 +90,11 @@ def test_sample_tokens_greedy_rows():
     np.testing.assert_array_equal(np.asarray(lp), np.asarray(fixed_order_logprobs(x, tok)))
 
 
-def test_sampling_config_validation():
+def test_rollout_config_validation():
     for bad in (dict(temperature=0.0), dict(top_p=0.0), dict(top_k=-1), dict(chunk=0),
                 dict(max_len=20, page_size=16)):  # fmt: skip
-        with pytest.raises(ValueError, match="SamplingConfig"):
-            SamplingConfig(**bad)
+        with pytest.raises(ValueError, match="RolloutConfig"):
+            RolloutConfig(**bad)
 
 
 def test_kv_eviction_replay_is_exact(fp32_model, tokenizer):

@@ -100,7 +100,7 @@ def test_kv_bytes_int8_accounting():
     )
 
 
-def test_sampling_config_eviction_fields_are_the_default_eviction(fp32_model, tokenizer):
+def test_rollout_config_eviction_fields_are_the_default_eviction(fp32_model, tokenizer):
     """``rollout.eviction_threshold`` / ``eviction_int8`` (config keys) act as ``eviction=``."""
     model, params = fp32_model
     cfg = SAMPLING.replace(eviction_threshold=0.9, eviction_int8=True)

@@ -13,9 +13,9 @@ from agentrl_jax.rollout.agent_loop import AgentLoop, run_episodes
 from agentrl_jax.rollout.kv_cache import EvictionConfig
 from agentrl_jax.rollout.loop_state import LoopOptions, RolloutStats
 from agentrl_jax.rollout.parity import trainer_logprobs
-from agentrl_jax.rollout.sampler import SamplingConfig
+from agentrl_jax.rollout.sampler import RolloutConfig
 
-SAMPLING = SamplingConfig(max_new_tokens=6, max_len=384, page_size=8, chunk=4)
+SAMPLING = RolloutConfig(max_new_tokens=6, max_len=384, page_size=8, chunk=4)
 PAGES_PER_SEQ = SAMPLING.max_len // SAMPLING.page_size
 # half of the finished tool outputs are evicted, the other half go to int8 (random model)
 POLICY = EvictionConfig(threshold=1.0, int8=True, drop_threshold=0.5, min_block=4)

@@ -27,7 +27,7 @@ from agentrl_jax.precision import get_policy
 from agentrl_jax.rl.state import RLConfig, rl_optimizer
 from agentrl_jax.rl.update import make_update_fn
 from agentrl_jax.rollout.agent_loop import run_episodes
-from agentrl_jax.rollout.sampler import SamplingConfig, get_sampler
+from agentrl_jax.rollout.sampler import RolloutConfig, get_sampler
 from agentrl_jax.sharding import MeshConfig, activate, fit_spec
 from agentrl_jax.train.placement import Placement
 from agentrl_jax.train.sft import SFTConfig, make_train_step, sft_optimizer
@@ -224,7 +224,7 @@ def test_rollout_under_mesh_samples_the_same_tokens():
     cfg = CFG.replace(vocab_size=512, layer_pattern="SF", window=8)
     model = Transformer(cfg, policy)
     params = init_params(model, jax.random.key(3))
-    sampling = SamplingConfig(max_new_tokens=6, max_len=64, page_size=8, chunk=4)
+    sampling = RolloutConfig(max_new_tokens=6, max_len=64, page_size=8, chunk=4)
     tokenizer = CodeTokenizer()
 
     def play(p):

@@ -22,7 +22,7 @@ from agentrl_jax.rl.credit import CreditInputs
 from agentrl_jax.rl.state import RLConfig, init_train_state
 from agentrl_jax.rl.update import make_update_fn
 from agentrl_jax.rollout.agent_loop import run_episodes
-from agentrl_jax.rollout.sampler import SamplingConfig
+from agentrl_jax.rollout.sampler import RolloutConfig
 
 TOK = CodeTokenizer()
 CUES = (TOK.encode("trim")[0], TOK.encode("span")[0])
@@ -39,7 +39,7 @@ CFG = ModelConfig(
     sparse_topk_tokens=16,
     d_ff=64,
 )
-SAMPLING = SamplingConfig(max_new_tokens=2, max_len=32, page_size=8, chunk=4)
+SAMPLING = RolloutConfig(max_new_tokens=2, max_len=32, page_size=8, chunk=4)
 TASKS, GROUP = 16, 16  # tasks per step (cues alternate), rollouts per task
 
 

@@ -18,7 +18,7 @@ from agentrl_jax.precision import get_policy
 from agentrl_jax.rollout.agent_loop import AgentLoop, run_episodes
 from agentrl_jax.rollout.loop_state import LoopOptions
 from agentrl_jax.rollout.parity import trainer_logprobs
-from agentrl_jax.rollout.sampler import SamplingConfig
+from agentrl_jax.rollout.sampler import RolloutConfig
 from agentrl_jax.train.rollout_worker import (
     BatchClock,
     StoreClosed,
@@ -38,7 +38,7 @@ CFG = ModelConfig(
     d_ff=48,
     init_std=0.2,
 )
-SAMPLING = SamplingConfig(max_new_tokens=6, max_len=128, page_size=8, chunk=4)
+SAMPLING = RolloutConfig(max_new_tokens=6, max_len=128, page_size=8, chunk=4)
 N_SLOTS = 3
 TASKS = [0, 1, 2, 3, 4]
 POLICY = get_policy("fp32-parity")

@@ -1,4 +1,4 @@
-"""``SamplingConfig``: how the rollout samples tokens and how its KV cache is shaped.
+"""``RolloutConfig``: how the rollout samples tokens and how its KV cache is shaped.
 
 The sampler (``rollout.sampler``) and the agent loop (``rollout.agent_loop``) read it; it is the
 experiment config's ``rollout`` section.
@@ -10,7 +10,7 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingConfig:
+class RolloutConfig:
     """How tokens are sampled and how the cache is shaped (hashable: a static jit argument).
 
     Attributes:
@@ -61,25 +61,25 @@ class SamplingConfig:
 
     def __post_init__(self):
         if not self.temperature > 0:
-            raise ValueError(f"SamplingConfig.temperature={self.temperature} must be > 0")
+            raise ValueError(f"RolloutConfig.temperature={self.temperature} must be > 0")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingConfig.top_p={self.top_p} must be in (0, 1]")
+            raise ValueError(f"RolloutConfig.top_p={self.top_p} must be in (0, 1]")
         for field, lo in (("top_k", 0), ("max_new_tokens", 1), ("chunk", 1), ("page_size", 1)):
             v = getattr(self, field)
             if not isinstance(v, int) or v < lo:
-                raise ValueError(f"SamplingConfig.{field}={v!r} must be an int >= {lo}")
+                raise ValueError(f"RolloutConfig.{field}={v!r} must be an int >= {lo}")
         for field in ("prefill_chunk", "n_pages", "int8_pages"):
             v = getattr(self, field)
             if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"SamplingConfig.{field}={v!r} must be None or an int >= 1")
+                raise ValueError(f"RolloutConfig.{field}={v!r} must be None or an int >= 1")
         if self.max_len < self.chunk or self.max_len % self.page_size:
             raise ValueError(
-                f"SamplingConfig.max_len={self.max_len} must be >= chunk={self.chunk} and a "
+                f"RolloutConfig.max_len={self.max_len} must be >= chunk={self.chunk} and a "
                 f"multiple of page_size={self.page_size}"
             )
         if not 0.0 <= self.eviction_threshold <= 1.0:
             raise ValueError(
-                f"SamplingConfig.eviction_threshold={self.eviction_threshold} must be in [0, 1]"
+                f"RolloutConfig.eviction_threshold={self.eviction_threshold} must be in [0, 1]"
             )
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
 
@@ -87,5 +87,5 @@ class SamplingConfig:
         """Prefill chunk rows actually used (``chunk`` under a parity policy)."""
         return self.chunk if parity or self.prefill_chunk is None else self.prefill_chunk
 
-    def replace(self, **changes) -> SamplingConfig:
+    def replace(self, **changes) -> RolloutConfig:
         return dataclasses.replace(self, **changes)
