@@ -98,7 +98,8 @@ COLUMNS: dict[str, str] = {
         "evicted_tokens=evicted; kv_bytes_ratio=KV bytes ratio"
     ),
     "rollout": (
-        "model; pattern; batch; policy; decode_kernel=decode kernel; tokens_per_s=tok/s; "
+        "model; pattern; batch; policy; decode_kernel=decode kernel; new_tokens_per_s=new tok/s; "
+        "tokens_per_s=tok/s (with prompt); "
         "decode_tokens_per_s=decode tok/s; prefill_ms=prefill ms; "
         "nocache_tokens_per_s=no-cache tok/s; speedup_vs_nocache=vs no-cache; "
         "compile_s=compile s; kv_bytes_ratio_vs_dense=KV bytes vs dense (8k)"
