@@ -55,6 +55,7 @@ TOKEN_AXES = ("data", "fsdp", "expert")  # mesh axes tokens are split over insid
 _HIGHEST = jax.lax.Precision.HIGHEST
 # a first try at this many times the mean rows per expert (``small_capacity``)
 CAPACITY_SLACK = 2.0
+CAPACITY_ROUND = 4
 
 
 def _init(std: float, names: tuple):
@@ -157,10 +158,11 @@ def small_capacity(n: int, k: int, n_experts: int, capacity: int) -> int | None:
     """The smaller capacity tried first when ``capacity`` is larger than a balanced load needs.
 
     ``CAPACITY_SLACK`` x the mean rows per expert (``n * k / n_experts``), rounded up to a
-    multiple of 8; None when that is not below ``capacity`` (e.g. dropless with
+    multiple of ``CAPACITY_ROUND``; None when that is not below ``capacity`` (e.g. dropless with
     ``n_experts <= CAPACITY_SLACK * k``, or a tight ``capacity_factor``).
     """
-    small = -(-math.ceil(CAPACITY_SLACK * n * k / n_experts) // 8) * 8
+    r = CAPACITY_ROUND
+    small = -(-math.ceil(CAPACITY_SLACK * n * k / n_experts) // r) * r
     return small if small < capacity else None
 
 
