@@ -12,6 +12,9 @@
 #       forward + backward + AdamW on the same shapes, ratio_vs_torch (goal <= 0.67).
 #   Each shape runs its peers and the project back to back (Tunix, HF, project) so drift in
 #   the machine's load hits every row of a shape alike; the lines carry the load anyway.
+#   TORCH_THREADS (default 1) sets the PyTorch peer's threads (OMP_NUM_THREADS): on a loaded
+#   2-core machine torch's two OpenMP workers wait on each other at every op and its rows
+#   collapse (docs/results.md); on an idle machine try TORCH_THREADS=2 as well.
 # Takes 10-15 minutes on 2 cores; run it on an otherwise idle machine.
 set -euo pipefail
 PEERS_DIR=$(cd "${1:?usage: vs_peers.sh PEERS_DIR [RAW.jsonl]}" && pwd)
@@ -20,6 +23,7 @@ PY=${PY:-$ROOT/.venv/bin/python}
 RAW=${2:-$(mktemp -t vs_peers.XXXXXX.jsonl)}
 TUNIX=$PEERS_DIR/tunix-venv/bin/python
 HF=$PEERS_DIR/hf-venv/bin/python
+TORCH_THREADS=${TORCH_THREADS:-1}
 for f in "$TUNIX" "$HF" "$PY"; do
   [ -x "$f" ] || { echo "vs_peers.sh: $f missing (see the peers' README)" >&2; exit 2; }
 done
@@ -43,7 +47,7 @@ for B in 8 32; do
     flag=(); [ "$M" = moe ] && flag=(--moe)
     echo ">> rollout $M b$B" >&2
     peer "$TUNIX" tunix_sampler_bench.py --batch "$B" --prompt 64 --new 128 "${flag[@]}"
-    peer "$HF" hf_generate_bench.py --batch "$B" --prompt 64 --new 128 --no_train "${flag[@]}"
+    OMP_NUM_THREADS=$TORCH_THREADS peer "$HF" hf_generate_bench.py --batch "$B" --prompt 64 --new 128 --no_train "${flag[@]}"
     ours rollout.py --models "$M" --patterns D --batches "$B" --no-nocache --reps 5
   done
 done
@@ -51,7 +55,7 @@ for M in dense moe; do
   flag=(); [ "$M" = moe ] && flag=(--moe)
   echo ">> update $M" >&2
   # the generate part is short here; the line's fwd_bwd_adamw_ms is the train step
-  peer "$HF" hf_generate_bench.py --batch 8 --prompt 64 --new 8 "${flag[@]}"
+  OMP_NUM_THREADS=$TORCH_THREADS peer "$HF" hf_generate_bench.py --batch 8 --prompt 64 --new 8 "${flag[@]}"
   ours update.py --only "$M-DDDD" --iteration none --reps 5
 done
 
