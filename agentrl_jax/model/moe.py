@@ -180,12 +180,13 @@ def dispatch_combine(
     cfg,
     expert_axis=None,
     tensor_axis=None,
+    small_first=False,
 ):
     """Routed expert outputs for one token shard (called directly or inside ``shard_map``).
 
-    On one shard (``expert_axis`` None) under a non-parity policy, when the most rows any
-    expert gets fit :func:`small_capacity`, the experts run at that capacity instead (a
-    ``lax.cond``): the same pairs are kept, the expert matmuls have fewer rows (a dropless
+    With ``small_first``, on one shard (``expert_axis`` None) under a non-parity policy, when
+    the most rows any expert gets fit :func:`small_capacity`, the experts run at that capacity
+    instead (a ``lax.cond``): the same pairs are kept, the expert matmuls have fewer rows (dropless:
     capacity is every token, ``n_experts / k`` times the routed pairs). Rounding can differ
     from the full-capacity branch (XLA picks matmul kernels by row count), so parity policies,
     whose rollout and trainer passes must pick identical kernels, always run ``capacity``.
@@ -198,6 +199,7 @@ def dispatch_combine(
       cfg: model config (the expert activation).
       expert_axis: mesh axis experts are split over (None: all experts local).
       tensor_axis: mesh axis F is split over (None: F local).
+      small_first: try :func:`small_capacity` first (see above).
 
     Returns:
       y [N, D] compute dtype (sum over kept pairs of gate * expert output), keep bool [N, K].
@@ -221,7 +223,7 @@ def dispatch_combine(
         )
 
     small = small_capacity(n, k, n_exp, capacity)
-    if small is None or expert_axis is not None or policy.parity:
+    if not small_first or small is None or expert_axis is not None or policy.parity:
         return run(capacity)
     fits = jnp.max(counts[:n_exp]) <= small
     return jax.lax.cond(fits, lambda: run(small), lambda: run(capacity))
@@ -273,11 +275,15 @@ class MoE(nn.Module):
       policy: dtype policy.
       mesh: mesh for expert parallelism; None uses the ambient mesh (if any). Experts are
         dispatched with ``shard_map``/``all_to_all`` when its ``expert`` axis is > 1.
+      small_first: try :func:`small_capacity` first (``dispatch_combine``); the transformer
+        sets it on its cached (rollout) path only: under autodiff the ``lax.cond`` keeps both
+        branches' residuals, and under ``vmap`` it runs both branches.
     """
 
     cfg: ModelConfig
     policy: DTypePolicy
     mesh: jax.sharding.Mesh | None = None
+    small_first: bool = False
 
     @nn.compact
     def __call__(
@@ -361,7 +367,7 @@ class MoE(nn.Module):
         else:
             y, keep = dispatch_combine(
                 xf.astype(pol.compute), routes, gates, vf, *weights,
-                capacity=cfg.capacity(n), policy=pol, cfg=cfg,
+                capacity=cfg.capacity(n), policy=pol, cfg=cfg, small_first=self.small_first,
             )  # fmt: skip
         y = self._shared_experts(x, y.reshape(b, t, dm))
         aux = self._aux(probs, routes, logits, keep, vf)

@@ -64,7 +64,11 @@ class Block(nn.Module):
         x = x + a
         h = RMSNorm(cfg, pol, name="ffn_norm")(x)
         if cfg.is_moe:
-            f, routes, aux = MoE(cfg, pol, name="moe")(h, valid=valid, replay_routes=replay)
+            # small-capacity-first dispatch in the rollout (cache) only: under autodiff a cond
+            # would keep both branches' residuals
+            f, routes, aux = MoE(cfg, pol, small_first=cache is not None, name="moe")(
+                h, valid=valid, replay_routes=replay
+            )
         else:
             f, routes, aux = MLP(cfg, pol, name="mlp")(h), None, {}
         x = nn.with_logical_constraint(x + f, ("batch", "seq", "embed"))

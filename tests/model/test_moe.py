@@ -248,11 +248,12 @@ def test_small_capacity_first_keeps_every_pair():
         assert float(aux["dropped_fraction"]) == 0.0
 
     # parity policies always run the full capacity (one kernel shape for rollout and trainer)
-    def jaxpr(name):
-        mod = MoE(CFG, get_policy(name))
+    def jaxpr(name, small_first=True):
+        mod = MoE(CFG, get_policy(name), small_first=small_first)
         return str(jax.make_jaxpr(lambda p, x: mod.apply({"params": p}, x))(PARAMS, x))
 
     assert "cond[" in jaxpr("fp32") and "cond[" not in jaxpr("fp32-parity")
+    assert "cond[" not in jaxpr("fp32", small_first=False)  # the training default
 
 
 def test_bf16_policy_runs_on_cpu():
