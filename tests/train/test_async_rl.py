@@ -191,3 +191,14 @@ def test_async_run_on_a_one_process_mesh(tmp_path, monkeypatch):
     tol = 1e-2 * 2 * s.rl.lr
     for x, y in zip(_params(runs["one"]), _params(runs["mesh"]), strict=True):
         np.testing.assert_allclose(x, y, rtol=0, atol=tol)
+
+
+def test_async_run_over_several_processes_is_refused(tmp_path):
+    cfg = load_config(SMOKE, ASYNC)
+    s = build(cfg)
+    placement = Placement.default_device(s.model, s.policy)
+    placement.multi_process = True  # what jax.distributed with several processes gives
+    with pytest.raises(ValueError, match="run on one process; this run has 1 processes"):
+        RLRun(
+            s, str(tmp_path), None, seed=cfg.seed, resume=False, placement=placement
+        )  # before compute
