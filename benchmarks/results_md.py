@@ -98,10 +98,18 @@ COLUMNS: dict[str, str] = {
         "evicted_tokens=evicted; kv_bytes_ratio=KV bytes ratio"
     ),
     "rollout": (
-        "model; pattern; batch; policy; decode_kernel=decode kernel; tokens_per_s=tok/s; "
+        "model; pattern; batch; policy; decode_kernel=decode kernel; new_tokens_per_s=new tok/s; "
+        "tokens_per_s=tok/s (with prompt); "
         "decode_tokens_per_s=decode tok/s; prefill_ms=prefill ms; "
         "nocache_tokens_per_s=no-cache tok/s; speedup_vs_nocache=vs no-cache; "
         "compile_s=compile s; kv_bytes_ratio_vs_dense=KV bytes vs dense (8k)"
+    ),
+    "vs_peers": (
+        "variant; new_tokens_per_s=new tok/s; best_peer=best peer; "
+        "tunix-Sampler_new_tokens_per_s=Tunix new tok/s; "
+        "hf-transformers-generate_new_tokens_per_s=HF new tok/s; "
+        "ratio_vs_best_peer=vs best peer; step_ms=step ms; torch_step_ms=PyTorch step ms; "
+        "ratio_vs_torch=vs PyTorch; goal_ratio=goal"
     ),
     "teacher_forced": (
         "model; pattern; batch; mode; policy; tokens_per_s=tok/s; ms; ms_min=min; ms_max=max; "
