@@ -118,7 +118,7 @@ def test_render_keeps_prose_groups_by_machine_and_is_idempotent(results):
     # lines without new_tokens_per_s leave its cell empty
     assert "| dense | D | 8 | fp32 |  |  | 4956 |" in rollout
     assert "| dense | D | 32 | fp32 |  |  | 10910 |" in rollout and "| 20.5 |" in rollout
-    header = "| model | pattern | batch | policy | decode kernel | new tok/s | tok/s (with prompt) |"
+    header = "| model | pattern | batch | policy | decode kernel | new tok/s | tok/s (with prompt)"
     assert rollout.count(header) == 2
     # A benchmark without a column spec gets its unit-named keys.
     newbench = new[new.index("<!-- results:newbench -->") :]
