@@ -92,22 +92,8 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``agentrl`` argument parser (subcommand in ``args.command``)."""
-    from agentrl_jax import __version__
-
-    parser = argparse.ArgumentParser(
-        prog=PROG, description="agentic RL of LLMs: train, eval, sweep, plan, bench, report"
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
-    parser.add_argument(
-        "--debug", action="store_true", help=f"keep tracebacks of errors (as {DEBUG_ENV}=1)"
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_train(sub) -> None:
+    """The ``train`` subcommand and its arguments."""
     p = sub.add_parser("train", help="run the RL loop of an experiment")
     p.add_argument(
         "spec",
@@ -125,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_distributed(p)
 
+
+def _add_eval(sub) -> None:
+    """The ``eval`` subcommand and its arguments."""
     p = sub.add_parser("eval", help="evaluate a run directory or checkpoint")
     p.add_argument("run_dir_or_checkpoint")
     p.add_argument("--split", default=None, help="task split (default: the evaluator's)")
@@ -156,12 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_set(p)
 
+
+def _add_sweep(sub) -> None:
+    """The ``sweep`` subcommand and its arguments."""
     p = sub.add_parser("sweep", help="run the sweep(add) points of an experiment")
     _add_spec(p)
     p.add_argument(
         "--resume", default=None, help="sweep directory to continue (finished points are skipped)"
     )
 
+
+def _add_plan(sub) -> None:
+    """The ``plan`` subcommand and its arguments."""
     p = sub.add_parser("plan", help="parameter/FLOP/memory plan of a model (eval_shape only)")
     _add_spec(p)
     p.add_argument("--devices", type=_positive_int, default=None, help="number of devices")
@@ -175,23 +170,61 @@ def build_parser() -> argparse.ArgumentParser:
         "--context", type=_positive_int, default=None, help="tokens per sequence (FLOPs, KV)"
     )
 
+
+def _add_bench(sub) -> None:
+    """The ``bench`` subcommand and its arguments."""
     p = sub.add_parser("bench", help="run benchmarks/<name>.py with this Python")
     p.add_argument("name", help="benchmark script name, e.g. rollout")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the script")
 
+
+def _add_report(sub) -> None:
+    """The ``report`` subcommand and its arguments."""
     p = sub.add_parser("report", help="summary table and PNG plots of a run's metrics")
     p.add_argument("run_dir")
     p.add_argument("--no-plots", action="store_true", help="print the table only")
 
+
+def _add_convert(sub) -> None:
+    """The ``convert`` subcommand and its arguments."""
     p = sub.add_parser("convert", help="Hugging Face directory -> run directory (checkpoint)")
     p.add_argument("hf_dir")
     p.add_argument("run_dir")
     p.add_argument("--policy", default="fp32", help="dtype policy preset of the parameters")
 
+
+def _add_export(sub) -> None:
+    """The ``export`` subcommand and its arguments."""
     p = sub.add_parser("export", help="checkpoint or run directory -> Hugging Face directory")
     p.add_argument("checkpoint")
     p.add_argument("hf_dir")
     p.add_argument("--dtype", default=None, help="tensor dtype (default: the parameters')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``agentrl`` argument parser (subcommand in ``args.command``)."""
+    from agentrl_jax import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="agentic RL of LLMs: train, eval, sweep, plan, bench, report"
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help=f"keep tracebacks of errors (as {DEBUG_ENV}=1)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_train(sub)
+    _add_eval(sub)
+    _add_sweep(sub)
+    _add_plan(sub)
+    _add_bench(sub)
+    _add_report(sub)
+    _add_convert(sub)
+    _add_export(sub)
     return parser
 
 

@@ -5,14 +5,17 @@ vocab 1024, tied embeddings, fp32; dense FFN 768; MoE 8 experts top-2, hidden 38
 (``D`` all dense, ``SSSF`` hybrid) and batch: prompt 64, 128 new tokens without early stop,
 full-vocabulary sampling at temperature 1.
 
-Keys: tokens_per_s (prefill + decode), decode_tokens_per_s, prefill_ms, compile_s,
+Keys: new_tokens_per_s (generated tokens over prefill + decode time: how other engines and
+``benchmarks/vs_peers.sh`` count), tokens_per_s (prompt + generated tokens over the same time),
+decode_tokens_per_s, prefill_ms, compile_s,
 nocache_tokens_per_s (full forward recomputed every step), speedup_vs_nocache,
 kv_bytes_per_seq and kv_bytes_ratio_vs_dense at 8k context (a one-slot sampler cache of 8k
 tokens: the pages the allocator holds for 8k tokens x the page bytes of the live buffers, plus
 the rings; against the same for an all-``D`` model of the same sizes), pool_waste_pages_per_seq
 (shared page pool after the run), policy, chunk, decode_kernel (decode of F/D layers through
 ``kernels.paged_decode_attention``; non-parity policies only, ``--no-decode-kernel`` measures
-the chunk path), plus bench/variant/backend/devices/jax_version.
+the chunk path), load_avg_1m (the 1-minute load average after the timed calls: the machine is
+shared, a loaded line is not a quiet one), plus bench/variant/backend/devices/jax_version.
 
 Usage: python benchmarks/rollout.py [--batches 8,32] [--patterns D,SSSF] [--models dense,moe]
        [--policy fp32] [--reps 3] [--no-nocache] [--no-decode-kernel]
@@ -27,7 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import NEW, PROMPT, bench_model, env_fields, time_ms
+from common import NEW, PROMPT, bench_model, env_fields, load_avg, time_ms
 
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
@@ -129,6 +132,7 @@ def bench_one(kind, pattern, batch, args):
         policy=args.policy,
         chunk=chunk,
         decode_kernel=sampler.kernel_decode,
+        new_tokens_per_s=batch * NEW / t_full,
         tokens_per_s=batch * (PROMPT + NEW) / t_full,
         decode_tokens_per_s=batch * NEW / t_dec,
         prefill_ms=1e3 * t_pre,
@@ -148,6 +152,7 @@ def bench_one(kind, pattern, batch, args):
         t_nc = time_ms(lambda: fn(params, prompt, rng), reps=max(1, args.reps // 2))
         line["nocache_tokens_per_s"] = batch * NEW / (t_nc.median_ms / 1e3)
         line["speedup_vs_nocache"] = line["decode_tokens_per_s"] / line["nocache_tokens_per_s"]
+    line["load_avg_1m"] = load_avg()
     line.update(env_fields())
     return line
 

@@ -53,6 +53,9 @@ from agentrl_jax.precision import DTypePolicy
 
 TOKEN_AXES = ("data", "fsdp", "expert")  # mesh axes tokens are split over inside the dispatch
 _HIGHEST = jax.lax.Precision.HIGHEST
+# a first try at this many times the mean rows per expert (``small_capacity``)
+CAPACITY_SLACK = 2.0
+CAPACITY_ROUND = 4
 
 
 def _init(std: float, names: tuple):
@@ -151,6 +154,18 @@ def _expert_ffn(buf, w_gate, w_up, w_down, policy, tensor_axis, cfg, biases=()):
     return out
 
 
+def small_capacity(n: int, k: int, n_experts: int, capacity: int) -> int | None:
+    """The smaller capacity tried first when ``capacity`` is larger than a balanced load needs.
+
+    ``CAPACITY_SLACK`` x the mean rows per expert (``n * k / n_experts``), rounded up to a
+    multiple of ``CAPACITY_ROUND``; None when that is not below ``capacity`` (e.g. dropless with
+    ``n_experts <= CAPACITY_SLACK * k``, or a tight ``capacity_factor``).
+    """
+    r = CAPACITY_ROUND
+    small = -(-math.ceil(CAPACITY_SLACK * n * k / n_experts) // r) * r
+    return small if small < capacity else None
+
+
 def dispatch_combine(
     x,
     routes,
@@ -168,6 +183,13 @@ def dispatch_combine(
 ):
     """Routed expert outputs for one token shard (called directly or inside ``shard_map``).
 
+    On one shard (``expert_axis`` None) under a non-parity policy, when the most rows any
+    expert gets fit :func:`small_capacity`, the experts run at that capacity instead (a
+    ``lax.cond``): the same pairs are kept, the expert matmuls have fewer rows (a dropless
+    capacity is every token, ``n_experts / k`` times the routed pairs). Rounding can differ
+    from the full-capacity branch (XLA picks matmul kernels by row count), so parity policies,
+    whose rollout and trainer passes must pick identical kernels, always run ``capacity``.
+
     Args:
       x: [N, D] tokens (compute dtype). routes: int [N, K]. gates: [N, K]. valid: bool [N].
       w_gate, w_up: [E_local, D, F_local]; w_down: [E_local, F_local, D].
@@ -184,7 +206,6 @@ def dispatch_combine(
     k = routes.shape[1]
     n_shards = 1 if expert_axis is None else jax.lax.axis_size(expert_axis)
     n_exp = w_gate.shape[0] * n_shards
-    cap = capacity
     # Pairs in slot-major order; padding rows get the sentinel expert n_exp (sorted last).
     expert = jnp.where(valid[None, :], routes.T, n_exp).reshape(-1)  # [K*N]
     order = jnp.argsort(expert, stable=True)
@@ -192,6 +213,25 @@ def dispatch_combine(
     starts = jnp.cumsum(counts) - counts
     rank = jnp.zeros_like(order).at[order].set(jnp.arange(k * n, dtype=order.dtype))
     pos = rank - starts[expert]
+    weights = (w_gate, w_up, w_down, *biases)
+
+    def run(cap):
+        return _at_capacity(
+            x, expert, pos, gates, weights, cap, n_exp, policy, cfg, expert_axis, tensor_axis
+        )
+
+    small = small_capacity(n, k, n_exp, capacity)
+    if small is None or expert_axis is not None or policy.parity:
+        return run(capacity)
+    fits = jnp.max(counts[:n_exp]) <= small
+    return jax.lax.cond(fits, lambda: run(small), lambda: run(capacity))
+
+
+def _at_capacity(x, expert, pos, gates, weights, cap, n_exp, policy, cfg, expert_axis, tensor_axis):
+    """``dispatch_combine`` at capacity ``cap``: pairs with ``pos < cap`` are kept, gathered
+    into ``[E, cap, D]``, run through their expert and combined with the gates."""
+    n, d = x.shape
+    k = gates.shape[1]
     keep = (expert < n_exp) & (pos < cap)
     slot = jnp.where(keep, expert * cap + pos, n_exp * cap)  # n_exp*cap: "nowhere"
     token = jnp.tile(jnp.arange(n), k)
@@ -200,7 +240,8 @@ def dispatch_combine(
     buf = x_pad[src].reshape(n_exp, cap, d)
     if expert_axis is not None:  # [E, C, D] -> [E_local, shards*C, D]
         buf = jax.lax.all_to_all(buf, expert_axis, 0, 1, tiled=True)
-    out = _expert_ffn(buf, w_gate, w_up, w_down, policy, tensor_axis, cfg, biases)
+    w_gate, w_up, w_down, *biases = weights
+    out = _expert_ffn(buf, w_gate, w_up, w_down, policy, tensor_axis, cfg, tuple(biases))
     if expert_axis is not None:  # back to [E, C, D] for this shard's tokens
         out = jax.lax.all_to_all(out, expert_axis, 1, 0, tiled=True)
     out = jnp.concatenate([out.reshape(n_exp * cap, d), jnp.zeros((1, d), out.dtype)], axis=0)

@@ -132,6 +132,13 @@ class Transformer(nn.Module):
     (``model.attention`` docstring; same parameters, numbers equal up to reduction order).
     ``record_blocks``: the chunked path returns every F layer's block selection in
     ``extras['blocks']`` (for the rollout to record; same numbers).
+    ``unstacked``: the pattern groups run as a Python loop over parameters stored per group
+    (``group_<g>``, see :func:`unstack_groups`) instead of the depth scan over stacked ones. A
+    scan slices every weight out of its stack on every call (XLA copies the slice before the
+    matmul reads it), so a decode step would copy all weights once; the sampler unstacks them
+    once per decode call. The same numbers up to fp32 rounding (XLA fuses the unrolled groups
+    otherwise than the loop body; not for parity paths); compile time grows with depth, so
+    only shallow decode models use it (``rollout.sampler``).
 
     Cache plumbing through the depth scan: without remat the stacked layer caches ([G, ...])
     are the scan carry and each layer scatters its new rows into its group's entry in place, so
@@ -147,6 +154,7 @@ class Transformer(nn.Module):
     policy: DTypePolicy
     decode_kernel: bool = False
     record_blocks: bool = False
+    unstacked: bool = False
 
     @nn.compact
     def __call__(
@@ -214,25 +222,36 @@ class Transformer(nn.Module):
         group = Group
         if cfg.remat != "none":
             group = nn.remat(Group, policy=_REMAT[cfg.remat](), prevent_cse=False)
-        scanned = nn.scan(
-            group,
-            variable_axes={"params": 0, "intermediates": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=cfg.n_groups,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )
         in_carry = layer_caches is not None and cfg.remat == "none"
-        groups = jnp.arange(cfg.n_groups, dtype=jnp.int32)
-        (x, carried), (new_layers, routes, aux, blocks) = scanned(
-            cfg, pol, self.decode_kernel, self.record_blocks, name="groups"
-        )(
-            (x, layer_caches if in_carry else None),
-            (groups, None if in_carry else layer_caches, replay, replay_blk),
-            positions,
-            meta,
-            valid,
+        carry = (x, layer_caches if in_carry else None)
+        xs = (
+            jnp.arange(cfg.n_groups, dtype=jnp.int32),
+            None if in_carry else layer_caches,
+            replay,
+            replay_blk,
         )
+        if self.unstacked:
+            outs = []
+            for g in range(cfg.n_groups):
+                xs_g = jax.tree.map(lambda a, g=g: a[g], xs)
+                carry, out = group(
+                    cfg, pol, self.decode_kernel, self.record_blocks, name=f"group_{g}"
+                )(carry, xs_g, positions, meta, valid)
+                outs.append(out)
+            ys = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        else:
+            scanned = nn.scan(
+                group,
+                variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.n_groups,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            carry, ys = scanned(cfg, pol, self.decode_kernel, self.record_blocks, name="groups")(
+                carry, xs, positions, meta, valid
+            )
+        (x, carried), (new_layers, routes, aux, blocks) = carry, ys
         if in_carry:
             new_layers = carried
         x = RMSNorm(cfg, pol, name="final_norm")(x)
@@ -414,6 +433,16 @@ def init_params(model: Transformer, rng: jax.Array, seq_len: int = 8):
     tokens = jnp.zeros((1, seq_len), jnp.int32)
     variables = jax.jit(model.init)(key, tokens)
     return nn.unbox(variables)
+
+
+def unstack_groups(params: dict, n_groups: int) -> dict:
+    """Parameters of a scanned model (``groups`` stacked [G, ...]) as those of the same model
+    with ``unstacked=True`` (``group_0`` .. ``group_<G-1>``, one group's slice each)."""
+    inner = dict(params["params"])
+    stacked = inner.pop("groups")
+    for g in range(n_groups):
+        inner[f"group_{g}"] = jax.tree.map(lambda a, g=g: a[g], stacked)
+    return {**params, "params": inner}
 
 
 def param_count(params) -> int:

@@ -57,10 +57,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from agentrl_jax.model.chunked import NEVER, fixed_order_logprobs
-from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache
+from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache, unstack_groups
 from agentrl_jax.rollout import slots
 from agentrl_jax.rollout.cache_sharding import place_decode_state
 from agentrl_jax.rollout.rollout_config import RolloutConfig  # noqa: F401 - re-exported
+
+# The kernel decode unrolls the layer groups of models with at most this many (compile time
+# grows with them).
+UNSTACK_GROUPS = 16
 
 
 class DecodeState(NamedTuple):
@@ -122,6 +126,12 @@ def token_keys(rng: jax.Array, uids: jax.Array, positions: jax.Array) -> jax.Arr
     return jax.vmap(lambda u, p: jax.random.fold_in(jax.random.fold_in(rng, u), p))(uids, positions)
 
 
+def episode_keys(rng: jax.Array, uids: jax.Array) -> jax.Array:
+    """``fold_in(rng, uid)`` per slot ([B] keys): :func:`token_keys` without the position, so
+    a decode loop folds in only the position per step (the same keys)."""
+    return jax.vmap(lambda u: jax.random.fold_in(rng, u))(uids)
+
+
 def sample_tokens(
     logits: jax.Array, keys: jax.Array, cfg: RolloutConfig, greedy_rows: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
@@ -175,8 +185,15 @@ class Sampler:
         self.prefill_rows = cfg.prefill_rows(model.policy.parity)
         self.is_moe = mcfg.is_moe
         self.kernel_decode = cfg.decode_kernel and not model.policy.parity
+        # One-row decode of a shallow stack: weights unstacked once per decode call (see
+        # ``Transformer.unstacked``) instead of sliced out of the depth scan on every step.
+        self.unstack_decode = mcfg.n_groups <= UNSTACK_GROUPS
         self.decode_model = Transformer(
-            mcfg, model.policy, decode_kernel=True, record_blocks=record
+            mcfg,
+            model.policy,
+            decode_kernel=True,
+            record_blocks=record,
+            unstacked=self.unstack_decode,
         )
         self.prefill = jax.jit(self._prefill, donate_argnums=1)
         self.prefill_rows_of = jax.jit(self._prefill_rows_of, donate_argnums=1)
@@ -404,6 +421,8 @@ class Sampler:
         kernel = self.uses_decode_kernel(state)  # static: from the state's structure
         if kernel:  # one row per step; no eviction/int8 decisions without mass tracking
             model, c = self.decode_model, 1
+            if self.unstack_decode:
+                params = unstack_groups(params, model.cfg.n_groups)
         stops = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
         mcfg = model.cfg
         out_tok = jnp.zeros((b, n), jnp.int32)
@@ -414,6 +433,7 @@ class Sampler:
             else None
         )
         live = active & (budget > 0)
+        ep_keys = episode_keys(rng, uids)  # loop-invariant half of ``token_keys``
         init = (0, state, live, jnp.zeros((b,), jnp.int32), out_tok, out_lp, out_rt)
 
         def cond(carry):
@@ -424,7 +444,8 @@ class Sampler:
         def body(carry):
             i, st, live, count, out_tok, out_lp, out_rt = carry
             pos = st.cache["lengths"]
-            tok, lp = sample_tokens(st.logits, token_keys(rng, uids, pos), cfg, greedy_rows)
+            keys = jax.vmap(jax.random.fold_in)(ep_keys, pos)  # = token_keys(rng, uids, pos)
+            tok, lp = sample_tokens(st.logits, keys, cfg, greedy_rows)
             toks = jnp.zeros((b, c), jnp.int32).at[:, 0].set(tok)
             valid = jnp.zeros((b, c), bool).at[:, 0].set(live)
             cache = st.cache if kernel else _with_keep(st.cache, st)

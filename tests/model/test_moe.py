@@ -21,6 +21,7 @@ from agentrl_jax.model.moe import (
     mlp_reference,
     moe_reference,
     route,
+    small_capacity,
 )
 from agentrl_jax.precision import get_policy
 
@@ -242,6 +243,31 @@ def test_capacity_drops():
     np.testing.assert_allclose(y, y_ref, **TOL)
     want = (n_valid_pairs - keep.sum()) / n_valid_pairs
     assert float(aux["dropped_fraction"]) == pytest.approx(want, rel=1e-6)
+
+
+def test_small_capacity_first_keeps_every_pair():
+    """Dropless 16 tokens x 2 over 8 experts: capacity 16, tried first at 8 rows per expert."""
+    assert small_capacity(B * T, K, 8, B * T) == 8
+    assert small_capacity(B * T, K, 4, B * T) is None  # 2x the mean is every token
+    x, valid = _x(), jnp.asarray(VALID)
+    rng = np.random.default_rng(3)
+    balanced = np.stack([rng.permutation(8)[:K] for _ in range(B * T)]).reshape(B, T, K)
+    skewed = np.broadcast_to(np.arange(K), (B, T, K))  # 14 valid rows on experts 0 and 1
+    for replay, fits in ((balanced, True), (skewed, False)):
+        counts = np.bincount(replay[VALID].reshape(-1), minlength=8)
+        assert (counts.max() <= 8) == fits  # which branch runs
+        replay = jnp.asarray(replay, jnp.int32)
+        y, _, aux = _apply(PARAMS, x, valid, replay)
+        y_ref, _ = _ref(PARAMS, x, CFG, valid=valid, replay_routes=replay)
+        np.testing.assert_allclose(y, y_ref, **TOL)
+        assert float(aux["dropped_fraction"]) == 0.0
+
+    # parity policies always run the full capacity (one kernel shape for rollout and trainer)
+    def jaxpr(name):
+        mod = MoE(CFG, get_policy(name))
+        return str(jax.make_jaxpr(lambda p, x: mod.apply({"params": p}, x))(PARAMS, x))
+
+    assert "cond[" in jaxpr("fp32") and "cond[" not in jaxpr("fp32-parity")
 
 
 def test_bf16_policy_runs_on_cpu():

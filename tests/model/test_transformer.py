@@ -1,5 +1,7 @@
 """Transformer: causality, attention kinds vs references, chunked path, replay, gradients."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from agentrl_jax.model.transformer import (
     init_cache,
     init_params,
     token_logprobs,
+    unstack_groups,
 )
 from agentrl_jax.precision import get_policy
 
@@ -256,3 +259,36 @@ def test_remat_same_loss_and_grads(remat):
     g2 = jax.jit(jax.grad(lambda p: loss(model_r, p)))(params)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_unstacked_groups_equal_the_depth_scan(moe):
+    """Two pattern groups as a loop over per-group parameters (``unstack_groups``): the same
+    routes, and logits and cache within fp32 rounding (XLA fuses the unrolled groups otherwise
+    than the loop body), as the scan over the stacked ones, for a prefill chunk and a one-row
+    decode-kernel step on random tokens."""
+    extra = dict(n_experts=4, experts_per_token=2, d_expert=16) if moe else dict(d_ff=48)
+    cfg = ModelConfig(
+        vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
+        layer_pattern="SD", window=8, init_std=0.3, **extra,
+    )  # fmt: skip
+    pol = get_policy("fp32")
+    params = init_params(Transformer(cfg, pol), jax.random.key(0))
+    flat = unstack_groups(params, cfg.n_groups)
+    assert "groups" not in flat["params"] and {"group_0", "group_1"} <= set(flat["params"])
+    b, t = 3, 12
+    toks = jax.random.randint(jax.random.key(1), (b, t + 1), 0, 64)
+
+    @functools.partial(jax.jit, static_argnames="unstacked")
+    def run(p, unstacked):
+        model = Transformer(cfg, pol, decode_kernel=True, unstacked=unstacked)
+        cache = init_cache(cfg, pol, CacheSpec(b, 32, page_size=8))
+        valid = jnp.arange(t)[None, :] < jnp.asarray([[5], [12], [9]])
+        lg1, cache, ex1 = model.apply(p, toks[:, :t], cache=cache, valid=valid)
+        lg2, cache, ex2 = model.apply(p, toks[:, t:], cache=cache)
+        return lg1, lg2, cache, ex1.get("routes"), ex2.get("routes")
+
+    want, got = run(params, False), run(flat, True)
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # noqa: E731
+    jax.tree.map(close, got[:3], want[:3])
+    jax.tree.map(np.testing.assert_array_equal, got[3:], want[3:])

@@ -13,8 +13,10 @@ from agentrl_jax.rollout.kv_cache import EvictionConfig, PagePool, dense_kv_byte
 from agentrl_jax.rollout.parity import trainer_logprobs
 from agentrl_jax.rollout.sampler import (
     RolloutConfig,
+    episode_keys,
     filter_logits,
     sample_tokens,
+    token_keys,
 )
 
 
@@ -113,3 +115,14 @@ def test_kv_eviction_replay_is_exact(fp32_model, tokenizer):
     np.testing.assert_array_equal(replay[act], traj.rollout_logprobs[act])
     full, _ = trainer_logprobs(model, params, traj, sampling_cfg=SAMPLING, n_slots=N_SLOTS)
     assert np.abs(full[act] - traj.rollout_logprobs[act]).max() > 0
+
+
+def test_episode_keys_then_position_equal_token_keys():
+    """The decode loop's split of ``token_keys`` (episode part hoisted out of the loop)."""
+    rng = jax.random.key(7)
+    uids = jnp.asarray([0, 5, 3, 1000], jnp.int32)
+    pos = jnp.asarray([0, 17, 64, 3], jnp.int32)
+    got = jax.vmap(jax.random.fold_in)(episode_keys(rng, uids), pos)
+    want = token_keys(rng, uids, pos)
+    np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(want))
+    assert len({tuple(k) for k in np.asarray(jax.random.key_data(got))}) == 4

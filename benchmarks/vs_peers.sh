@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The project's rollout and update rows beside the peers' (Tunix, Hugging Face transformers +
+# PyTorch) in one window on this machine, then the ratios against the goals.
+#
+# Usage: bash benchmarks/vs_peers.sh PEERS_DIR [RAW.jsonl]
+#   PEERS_DIR holds the peer scripts and their venvs (tunix-venv, hf-venv): see the peers'
+#   README for the set-up. Every raw line (peers' and the project's, each with load_avg_1m) is
+#   appended to RAW.jsonl (default: a temporary file); stdout gets one JSON line per ratio:
+#     bench=vs_peers, variant rollout/<model>/b<batch>: new_tokens_per_s of rollout.py and of
+#       every peer, best_peer, ratio_vs_best_peer (goal >= 1.5);
+#     variant update/<model>/fp32: step_ms of update.py (DDDD, batch 8 x 192) and PyTorch's
+#       forward + backward + AdamW on the same shapes, ratio_vs_torch (goal <= 0.67).
+#   Each shape runs its peers and the project back to back (Tunix, HF, project) so drift in
+#   the machine's load hits every row of a shape alike; the lines carry the load anyway.
+#   TORCH_THREADS (default 1) sets the PyTorch peer's threads (OMP_NUM_THREADS): on a loaded
+#   2-core machine torch's two OpenMP workers wait on each other at every op and its rows
+#   collapse (docs/results.md); on an idle machine try TORCH_THREADS=2 as well.
+# Takes 10-15 minutes on 2 cores; run it on an otherwise idle machine.
+set -euo pipefail
+PEERS_DIR=$(cd "${1:?usage: vs_peers.sh PEERS_DIR [RAW.jsonl]}" && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PY:-$ROOT/.venv/bin/python}
+RAW=${2:-$(mktemp -t vs_peers.XXXXXX.jsonl)}
+TUNIX=$PEERS_DIR/tunix-venv/bin/python
+HF=$PEERS_DIR/hf-venv/bin/python
+TORCH_THREADS=${TORCH_THREADS:-1}
+for f in "$TUNIX" "$HF" "$PY"; do
+  [ -x "$f" ] || { echo "vs_peers.sh: $f missing (see the peers' README)" >&2; exit 2; }
+done
+echo "vs_peers.sh: raw lines -> $RAW" >&2
+
+stamp() {  # last JSON line of stdin, with the load average and the row's role added
+  "$PY" -c '
+import json, os, sys
+lines = [l for l in sys.stdin.read().splitlines() if l.strip().startswith("{")]
+for line in lines[-int(sys.argv[2]):]:
+    row = json.loads(line)
+    row.update(vs_peers_role=sys.argv[1], load_avg_1m=round(os.getloadavg()[0], 2))
+    print(json.dumps(row))
+' "$1" "${2:-1}"
+}
+peer() { (cd "$PEERS_DIR" && "$@" 2>>"$RAW.stderr") | stamp peer >>"$RAW"; }
+ours() { (cd "$ROOT/benchmarks" && "$PY" "$@" 2>>"$RAW.stderr") | stamp project 9 >>"$RAW"; }
+
+for B in 8 32; do
+  for M in dense moe; do
+    flag=(); [ "$M" = moe ] && flag=(--moe)
+    echo ">> rollout $M b$B" >&2
+    peer "$TUNIX" tunix_sampler_bench.py --batch "$B" --prompt 64 --new 128 "${flag[@]}"
+    OMP_NUM_THREADS=$TORCH_THREADS peer "$HF" hf_generate_bench.py --batch "$B" --prompt 64 --new 128 --no_train "${flag[@]}"
+    ours rollout.py --models "$M" --patterns D --batches "$B" --no-nocache --reps 5
+  done
+done
+for M in dense moe; do
+  flag=(); [ "$M" = moe ] && flag=(--moe)
+  echo ">> update $M" >&2
+  # the generate part is short here; the line's fwd_bwd_adamw_ms is the train step
+  OMP_NUM_THREADS=$TORCH_THREADS peer "$HF" hf_generate_bench.py --batch 8 --prompt 64 --new 8 "${flag[@]}"
+  ours update.py --only "$M-DDDD" --iteration none --reps 5
+done
+
+"$PY" - "$RAW" <<'EOF'
+import json, sys
+
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+env = {}
+for r in rows:
+    if r.get("vs_peers_role") == "project" and "jax_version" in r:
+        env = {k: r[k] for k in ("backend", "devices", "jax_version")}
+
+
+def peer_model(r):
+    return "moe" if "moe" in r.get("model", "") else "dense"
+
+
+for m in ("dense", "moe"):
+    for b in (8, 32):
+        ours = [r for r in rows if r.get("bench") == "rollout" and r["model"] == m
+                and r["batch"] == b]
+        peers = {r["system"]: r for r in rows if "system" in r and peer_model(r) == m
+                 and r["batch"] == b and r.get("config", {}).get("new", 128) == 128}
+        if not ours or not peers:
+            continue
+        best = max(peers, key=lambda s: peers[s]["tokens_per_s"])
+        line = dict(bench="vs_peers", variant=f"rollout/{m}/b{b}",
+                    new_tokens_per_s=round(ours[-1]["new_tokens_per_s"], 1),
+                    best_peer=best, ratio_vs_best_peer=round(
+                        ours[-1]["new_tokens_per_s"] / peers[best]["tokens_per_s"], 3),
+                    goal_ratio=1.5,
+                    load_avg_1m_max=max(r["load_avg_1m"] for r in [ours[-1], *peers.values()]))
+        for s, r in peers.items():
+            line[f"{s}_new_tokens_per_s"] = r["tokens_per_s"]
+        print(json.dumps({**line, **env}))
+    ours = [r for r in rows if r.get("bench") == "update" and r["model"] == m]
+    torch = [r for r in rows if "fwd_bwd_adamw_ms" in r and peer_model(r) == m]
+    if ours and torch:
+        line = dict(bench="vs_peers", variant=f"update/{m}/{ours[-1]['policy']}",
+                    step_ms=ours[-1]["step_ms"], torch_step_ms=torch[-1]["fwd_bwd_adamw_ms"],
+                    ratio_vs_torch=round(ours[-1]["step_ms"] / torch[-1]["fwd_bwd_adamw_ms"], 3),
+                    goal_ratio=0.67,
+                    load_avg_1m_max=max(ours[-1]["load_avg_1m"], torch[-1]["load_avg_1m"]))
+        print(json.dumps({**line, **env}))
+EOF
