@@ -16,8 +16,9 @@ What the guide recommends for long agentic rollouts, in one run:
   * a parity dtype policy (``fp32-parity``: on a CPU fp32; ``bf16-parity`` on accelerators), so
     with the replays the trainer's logprobs are the sampler's (the mismatch metrics read 0).
 
-Sized to finish in about an hour on a loaded 2-core CPU: 800 SFT steps, 10 RL steps of 8 task
-groups x 4, held-out evaluation on 128 medium tasks (one greedy and one sampled episode each).
+Sized for about an hour on a 2-core CPU: 800 SFT steps, 10 RL steps of 8 task groups x 4,
+held-out evaluation on 128 medium tasks (one greedy and one sampled episode each). It holds
+about 4.5 GB of host memory while it runs.
 
     agentrl train experiments/guide_small.py                 # SFT + RL
     agentrl train experiments/guide_small.py:smoke=True      # minutes
