@@ -26,7 +26,7 @@ train: $(STAMP)
 test: $(STAMP)
 	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" $(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15 -m "not slow"
 
-# The multi-process tier (several JAX processes over gloo: a few minutes of 2 cores on its own).
+# The slow tier: multi-process runs over gloo and long end-to-end runs (minutes of 2 cores).
 test-slow: $(STAMP)
 	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" $(VENV)/bin/pytest -q --durations=5 -m slow
 

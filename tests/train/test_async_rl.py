@@ -153,6 +153,7 @@ def test_overlapped_environment_without_staleness_resumes_bitwise(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow  # an asynchronous run on 8 devices and its one-device twin: minutes of 2 cores
 def test_async_run_on_a_one_process_mesh(tmp_path, monkeypatch):
     """One process, 8 devices (mesh fsdp 4 x tensor 2), k=1: the rollout side plays under the
     run's mesh with sharded parameters and the update trains on them. The episodes are those of
