@@ -10,7 +10,7 @@ export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
 # `make test TEST_XLA_FLAGS=` runs the suite with XLA's default optimisation.
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 
-.PHONY: train test setup lint bench clean-venv
+.PHONY: train test test-slow setup lint bench clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +24,11 @@ train: $(STAMP)
 	$(VENV)/bin/agentrl train experiments/default.py
 
 test: $(STAMP)
-	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" $(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15
+	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" $(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15 -m "not slow"
+
+# The slow tier: multi-process runs over gloo and long end-to-end runs (minutes of 2 cores).
+test-slow: $(STAMP)
+	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" $(VENV)/bin/pytest -q --durations=5 -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

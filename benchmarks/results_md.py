@@ -145,6 +145,26 @@ COLUMNS: dict[str, str] = {
         "ratio_bytes_vs_single=bytes vs 1 device; full_shard_ratio_x_n=full shards x N; "
         "step_ms=step ms; compiled_temp_bytes_per_device=temp bytes/device"
     ),
+    "hf_parity": (
+        "variant; max_abs_logit_diff=max abs logit diff; greedy_tokens_equal=greedy equal (of 32); "
+        "max_abs_logprob_diff=max abs logprob diff; load_s=load s; params"
+    ),
+    "pyrepair:expert": (
+        "level; episodes; expert_success_rate=expert success; goal_adherence=goal adherence; "
+        "mean_turns=turns; mean_episode_tokens=tokens/episode; make_task_ms=make task ms"
+    ),
+    "pyrepair:tasks": (
+        "level; bug_type=bug type; problems_train=problems train; "
+        "problems_heldout=problems held-out; sites_train=sites train; sites_heldout=sites held-out"
+    ),
+    "pyrepair:sandbox": (
+        "runs; sandbox_ms_p50=p50 ms; sandbox_ms_p99=p99 ms; sandbox_ms_min=min ms; "
+        "sandbox_ms_max=max ms"
+    ),
+    "pyrepair:parallel": (
+        "parallel; episodes; steps; env_steps_per_s=env steps/s; expert_success_rate=expert success"
+    ),
+    "pyrepair:attacks": "attacks; attacks_contained=contained",
     "async_rl:throughput": (
         "env; max_staleness=k; env_overlap=env overlap; sync_every_rounds=switch every; "
         "steps_per_hour=steps/h; "

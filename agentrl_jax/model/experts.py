@@ -41,7 +41,8 @@ def route(
       logits: [..., E] router logits (their dtype is kept).
       k: experts per token.
       replay_routes: optional int [..., k] experts to use instead of the top-k (routing replay).
-        Indices must lie in [0, E); out-of-range indices give NaN gates.
+        Indices must lie in [0, E) or be -1 (not recorded: that entry takes the top-k's);
+        indices >= E give NaN gates.
       mode: 'softmax_topk' | 'topk_softmax' (module docstring).
       renorm: with 'softmax_topk', renormalise the k gates to sum to one.
 
@@ -58,8 +59,8 @@ def route(
     scores = probs if mode == "softmax_topk" else logits
     if replay_routes is None:
         top, routes = jax.lax.top_k(scores, k)
-    else:
-        routes = replay_routes
+    else:  # -1: a token without recorded routes takes the router's own top-k
+        routes = jnp.where(replay_routes < 0, jax.lax.top_k(scores, k)[1], replay_routes)
         top = jnp.take_along_axis(scores, routes, axis=-1, mode="fill", fill_value=jnp.nan)
     if mode == "topk_softmax":
         gates = jax.nn.softmax(top, axis=-1)

@@ -337,8 +337,8 @@ class MoE(nn.Module):
             r_bias = self.param("router_bias", _init(cfg.init_std, (None,)), (e,), pol.param)
             logits = logits + r_bias.astype(pol.router)
         replay = None
-        if replay_routes is not None:  # padding rows may hold anything (e.g. -1): neutralise them
-            replay = jnp.where(vf[:, None], replay_routes.reshape(n, k), jnp.arange(k))
+        if replay_routes is not None:  # padding rows may hold anything: the router routes them
+            replay = jnp.where(vf[:, None], replay_routes.reshape(n, k), -1)
         probs, routes, gates = route(logits, k, replay, mode=cfg.routing, renorm=cfg.route_renorm)
         weights = (w_gate, w_up, w_down, *biases)
         if mesh is not None:

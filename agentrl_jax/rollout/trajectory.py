@@ -8,7 +8,8 @@ Layout (B episodes padded to T tokens; numpy arrays from the rollout, any array 
   rollout_logprobs  f32   [B, T]  log p(tokens[b,t] | tokens[b,:t]) under the untempered policy
                                   (0 off actions); compare with token_logprobs(logits[:, :-1],
                                   tokens[:, 1:]) at positions 1..T-1
-  routes            int32 [B, T, L_moe, k] or None: experts each token's own forward used
+  routes            int32 [B, T, L_moe, k] or None: experts each token's own forward used; -1
+                                  where the rollout never ran the token (replay: the router's)
   outcome_reward    f32   [B]     final-step reward (0 if the episode did not finish)
   process_rewards   f32   [B, T]  sum of the turn's process signals on its last action token
   success, goal_adhered, truncated  bool [B]  (truncated: stopped by max turns / max tokens /
@@ -284,7 +285,7 @@ def stack_episodes(
     turns = np.full((b, t), -1, np.int32)
     logp = np.zeros((b, t), np.float32)
     proc = np.zeros((b, t), np.float32)
-    routes = None if route_shape is None else np.zeros((b, t, *route_shape), np.int32)
+    routes = None if route_shape is None else np.full((b, t, *route_shape), -1, np.int32)
     never = np.iinfo(np.int32).max
     evict = np.full((b, t), never, np.int32) if kv_masks else None
     int8 = np.full((b, t), never, np.int32) if kv_masks else None
@@ -302,6 +303,9 @@ def stack_episodes(
             proc[i, pos] += v
         if routes is not None and r.routes is not None:
             routes[i, :n] = r.routes[:n]
+            # tokens never run through the model (the last sampled token, a final observation)
+            # have no routes: -1, which a replay leaves to the router (``model.experts.route``)
+            routes[i, r.routes_upto : n] = -1
         if blk is not None and r.blocks is not None:
             blk[i, :n] = r.blocks[:n]
         if kv_masks:

@@ -88,13 +88,14 @@ class AsyncDriver:
         c = self._take(step)
         waited = time.perf_counter() - t0
         self._data_state = c.extras["data_state"]
-        run.log_tasks(step, c)
-        batch = run.score(c.batch)
-        guided = np.asarray(batch["guided"], bool)
-        if guided.any():  # scored under the current parameters
-            mask = batch["action_mask"][guided]
-            batch["policy_versions"][guided] = np.where(mask, step, -1)
-        sources = run.mismatch_sources(batch, step, self._version_params)
+        with run.placement.host_context():  # as the synchronous loop scores (thread-local)
+            run.log_tasks(step, c)
+            batch = run.score(c.batch)
+            guided = np.asarray(batch["guided"], bool)
+            if guided.any():  # scored under the current parameters
+                mask = batch["action_mask"][guided]
+                batch["policy_versions"][guided] = np.where(mask, step, -1)
+            sources = run.mismatch_sources(batch, step, self._version_params)
         t1 = time.perf_counter()
         metrics = run.update(batch)
         self.store.publish(step + 1, run.state.params, run.controller.active)
@@ -169,27 +170,34 @@ class AsyncDriver:
     def _produce(self) -> None:
         run = self.run
         try:
-            for b in range(run.start_step, run.loop.rl_steps):
-                clock = BatchClock(self.store, self.schedule, b)
-                c = run.collect(b, play=functools.partial(self._play, clock, b))
-                c.extras = {
-                    "data_state": run.pipeline.state(),
-                    "wait_s": clock.wait_s,
-                    "switches": clock.switches,
-                    "aborted": clock.aborted,
-                    "discarded_tokens": clock.discarded_tokens,
-                    "reprefilled": clock.reprefilled,
-                    "rounds": clock.rounds,
-                }
-                with self._cond:
-                    self._ready[b] = c
-                    self._cond.notify_all()
+            # the run's mesh on this thread too (the mesh context is thread-local): the sampler's
+            # KV cache is sharded as in the synchronous loop (rollout/cache_sharding.py)
+            with run.placement.host_context():
+                self._produce_batches()
         except StoreClosed:
             return
         except BaseException as e:  # noqa: BLE001 - handed to the learner, which raises it
             log.exception("the rollout side failed")
             with self._cond:
                 self._error = e
+                self._cond.notify_all()
+
+    def _produce_batches(self) -> None:
+        run = self.run
+        for b in range(run.start_step, run.loop.rl_steps):
+            clock = BatchClock(self.store, self.schedule, b)
+            c = run.collect(b, play=functools.partial(self._play, clock, b))
+            c.extras = {
+                "data_state": run.pipeline.state(),
+                "wait_s": clock.wait_s,
+                "switches": clock.switches,
+                "aborted": clock.aborted,
+                "discarded_tokens": clock.discarded_tokens,
+                "reprefilled": clock.reprefilled,
+                "rounds": clock.rounds,
+            }
+            with self._cond:
+                self._ready[b] = c
                 self._cond.notify_all()
 
     def _play(self, clock: BatchClock, batch: int, tasks: list, k: int, key, greedy):

@@ -150,6 +150,13 @@ class RLRun:
         self.advantage_fn = jax.jit(lambda inputs: advantage(inputs, **kwargs))
         self.batch_size = s.data.batch_size * s.data.group_size
         self.placement = placement or Placement.default_device(s.model, s.policy)  # mesh hook
+        asynchronous = s.rl.max_staleness > 0 or s.train.overlap_env
+        if asynchronous and self.placement.multi_process:
+            raise ValueError(
+                "rl.max_staleness > 0 and train.overlap_env run on one process; this run has "
+                f"{jax.process_count()} processes (set rl.max_staleness=0 and "
+                "train.overlap_env=False; docs/async.md, 'Under a mesh')"
+            )
         tx = rl_optimizer(s.rl)
         shard = self.placement.step_shardings(tx, self.batch_size)
         self.controller = FallbackController(
@@ -179,12 +186,7 @@ class RLRun:
         if resume and self.ckpt.latest_step() is not None:
             versions = self._restore()
             self.state = self.placement.place_state(self.state, tx)
-        if s.rl.max_staleness > 0 or s.train.overlap_env:
-            if self.placement.multi_process:
-                raise ValueError(
-                    "rl.max_staleness > 0 and train.overlap_env run on one process; this run has "
-                    f"{jax.process_count()} processes"
-                )
+        if asynchronous:
             self.driver = AsyncDriver(self, versions)
 
     # checkpoints -------------------------------------------------------------------------------

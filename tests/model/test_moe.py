@@ -130,6 +130,21 @@ def test_route_ties_clamp_and_renormalise():
     np.testing.assert_allclose(g[1, 1], 1e-6 / (1 / 3 + 1e-6), rtol=1e-4)
 
 
+def test_replay_minus_one_takes_the_routers_experts():
+    """Replayed routes of -1 (a token the rollout never ran) are the router's own top-k."""
+    logits = jax.random.normal(jax.random.key(1), (5, 6), jnp.float32)
+    probs, own, gates = route(logits, 2)
+    replay = jnp.array([[-1, -1], [4, 5], [-1, -1], [2, 0], [-1, -1]], jnp.int32)
+    p2, routes, g2 = route(logits, 2, replay)
+    expect = np.where(np.asarray(replay) < 0, np.asarray(own), np.asarray(replay))
+    np.testing.assert_array_equal(routes, expect)
+    free = np.array([0, 2, 4])
+    np.testing.assert_array_equal(np.asarray(g2)[free], np.asarray(gates)[free])
+    top = np.take_along_axis(np.asarray(probs), expect, axis=-1)
+    np.testing.assert_allclose(g2, top / top.sum(-1, keepdims=True), rtol=1e-6)
+    np.testing.assert_array_equal(p2, probs)
+
+
 def test_load_balance_loss_hand_checked():
     lb_fn = jax.jit(load_balance_loss, static_argnums=3)
     probs = jnp.array([[0.7, 0.3], [0.4, 0.6], [0.9, 0.1]])

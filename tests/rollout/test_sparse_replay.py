@@ -62,26 +62,37 @@ def test_replay_gives_parity_zero_with_eviction_and_int8(recorded):
     assert np.abs(other[act] - traj.rollout_logprobs[act]).max() > 0
 
 
-def test_update_path_replays_blocks(recorded):
-    """The update's batch carries ``sparse_blocks`` and its logprob pass reproduces the rollout
-    bitwise (one sampler-sized micro-batch)."""
+def test_update_path_replays_blocks_and_routes(recorded):
+    """The update's batch carries ``sparse_blocks`` and ``routes``; its logprob pass replaying
+    both reproduces the rollout bitwise (one sampler-sized micro-batch of episodes of different
+    lengths). Tokens the rollout never ran (the last sampled token, the final observation,
+    padding) have routes -1, which the replay leaves to the router: forced experts there would
+    move the other rows' tokens in the expert buffers and change their numbers."""
     model, params, traj, _ = recorded
     rows = slice(0, N_SLOTS)
     keys = ("tokens", "valid", "action_mask", "kv_evict_at", "kv_int8_at", "sparse_blocks")
-    batch = {k: np.asarray(getattr(traj, k))[rows] for k in keys}
+    batch = {k: np.asarray(getattr(traj, k))[rows] for k in (*keys, "routes")}
     batch["advantages"] = np.zeros(batch["tokens"].shape, np.float32)
-    cfg = RLConfig(use_kv_mask_replay=True, use_block_replay=True)
+    routes, valid = batch["routes"], batch["valid"]
+    unrun = (routes < 0).all(axis=(2, 3))
+    assert ((routes >= 0).all(axis=(2, 3)) | unrun).all()  # a token is recorded or not
+    assert unrun[~valid].all() and (unrun & valid).any() and not unrun[batch["action_mask"]].any()
+    assert len(set(valid.sum(1).tolist())) > 1  # padded rows share the chunks
+    cfg = RLConfig(use_kv_mask_replay=True, use_block_replay=True, use_routing_replay=True)
     data = prepare_batch(batch, cfg, model)
     spec = ChunkSpec(RECORD.chunk, RECORD.page_size, RECORD.max_len)
     fn = jax.jit(
         lambda p, d: sequence_logprobs(
             model, p, d["tokens"], evict_at=d["evict_at"], int8_at=d["int8_at"],
-            replay_blocks=d["blocks"], chunk_spec=spec,
+            replay_blocks=d["blocks"], replay_routes=d.get("routes"), chunk_spec=spec,
         )[0]
     )  # fmt: skip
-    lp = np.asarray(fn(params, data))
     m = np.asarray(data["mask"])
-    np.testing.assert_array_equal(lp[m], np.asarray(traj.rollout_logprobs)[rows, 1:][m])
+    want = np.asarray(traj.rollout_logprobs)[rows, 1:][m]
+    np.testing.assert_array_equal(np.asarray(fn(params, data))[m], want)
+    # the same batch without routing replay: the router's own experts give the same numbers
+    no_routes = prepare_batch(batch, cfg.replace(use_routing_replay=False), model)
+    np.testing.assert_array_equal(np.asarray(fn(params, no_routes))[m], want)
     with pytest.raises(ValueError, match="sparse_blocks"):
         prepare_batch({k: v for k, v in batch.items() if k != "sparse_blocks"}, cfg, model)
 

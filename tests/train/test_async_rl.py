@@ -16,7 +16,11 @@ from agentrl_jax.experiment import build
 from agentrl_jax.metrics import latest_attempts, read_jsonl
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.rl.state import RLConfig
+from agentrl_jax.rollout import cache_sharding
+from agentrl_jax.rollout import sampler as sampler_module
+from agentrl_jax.sharding import MeshConfig
 from agentrl_jax.train.checkpoint import existing_steps, stage_dir
+from agentrl_jax.train.placement import Placement
 from agentrl_jax.train.rl_loop import TASKS_FILE, RLRun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -147,3 +151,55 @@ def test_overlapped_environment_without_staleness_resumes_bitwise(tmp_path):
     c.close()
     for x, y in zip(_params(a), _params(c), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.slow  # an asynchronous run on 8 devices and its one-device twin: minutes of 2 cores
+def test_async_run_on_a_one_process_mesh(tmp_path, monkeypatch):
+    """One process, 8 devices (mesh fsdp 4 x tensor 2), k=1: the rollout side plays under the
+    run's mesh with sharded parameters and the update trains on them. The episodes are those of
+    the one-device run (task log, rewards, lag) and the parameters agree within 1e-2 x the
+    summed learning rates (the sharded update's rounding, tests/train/test_mesh.py).
+    ``train.overlap_env`` runs through the same rollout side."""
+    over = [o for o in ASYNC if not o.startswith(("rl.max_staleness", "rl.sync_every"))]
+    cfg = load_config(SMOKE, [*over, "rl.max_staleness=1", "train.rl_steps=2"])
+    s = build(cfg)
+    params = init_params(Transformer(s.model, s.policy), jax.random.key(0))
+    placement = Placement(MeshConfig(fsdp=4, tensor=2), s.model, s.policy)
+    placed = []  # the mesh each fresh sampler state was placed on (rollout thread included)
+
+    def spy(state):
+        placed.append(cache_sharding.ambient_mesh())
+        return cache_sharding.place_decode_state(state)
+
+    monkeypatch.setattr(sampler_module, "place_decode_state", spy)
+    runs, rows = {}, {}
+    for name, place in (("one", None), ("mesh", placement)):
+        run = RLRun(s, str(tmp_path / name), params, seed=cfg.seed, resume=False, placement=place)
+        assert run.driver is not None
+        rows[name] = [run.step(step) for step in range(2)]
+        run.close()
+        runs[name] = run
+    assert placed and placed[-1] is placement.mesh
+    table = runs["mesh"].state.params["params"]["embed"]["table"]
+    assert table.sharding == placement.param_shardings()["params"]["embed"]["table"]
+    assert len(table.sharding.device_set) == 8
+    assert table.addressable_shards[0].data.size < table.size
+    assert [m["async/lag_max"] for m in rows["mesh"]] == [0.0, 1.0]
+    for a, b in zip(rows["one"], rows["mesh"], strict=True):
+        for key in ("success", "reward", "episode_tokens"):
+            assert a[key] == b[key], key
+    assert _tasks(str(tmp_path / "one")) == _tasks(str(tmp_path / "mesh"))
+    tol = 1e-2 * 2 * s.rl.lr
+    for x, y in zip(_params(runs["one"]), _params(runs["mesh"]), strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=tol)
+
+
+def test_async_run_over_several_processes_is_refused(tmp_path):
+    cfg = load_config(SMOKE, ASYNC)
+    s = build(cfg)
+    placement = Placement.default_device(s.model, s.policy)
+    placement.multi_process = True  # what jax.distributed with several processes gives
+    with pytest.raises(ValueError, match="run on one process; this run has 1 processes"):
+        RLRun(
+            s, str(tmp_path), None, seed=cfg.seed, resume=False, placement=placement
+        )  # before compute
