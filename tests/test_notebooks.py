@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = ("credit_assignment.ipynb", "mismatch.ipynb")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_in_smoke_mode(name, monkeypatch):
     path = os.path.join(ROOT, "notebooks", name)

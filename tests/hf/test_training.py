@@ -44,6 +44,7 @@ def test_sections_come_from_the_hf_directory(family):
     build(load_config(_smoke(family), ["model.remat=full"]))  # a training choice may be set
 
 
+@pytest.mark.slow
 def test_qwen3_smoke_runs_the_main_job(tmp_path):
     cfg = load_config(_smoke("qwen3"), [f"workdir={tmp_path}", "train.eval_before=False"])
     summary = run(cfg, progress=False)

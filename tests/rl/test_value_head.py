@@ -123,6 +123,7 @@ def test_update_fits_the_critic():
         make_update_fn(_model(""), cfg)
 
 
+@pytest.mark.slow
 def test_rl_with_a_critic_from_a_checkpoint_without_one(tmp_path):
     """PPO with GAE and a learned critic: RL starts from params saved without a value head (as
     an SFT checkpoint is), adds a fresh one and trains it; value metrics are logged."""

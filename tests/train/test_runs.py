@@ -377,6 +377,7 @@ def test_eval_falls_back_and_a_model_mismatch_is_one_line(tmp_path, capsys, monk
 
 
 # ------------------------------------------------------------------------------ the main job
+@pytest.mark.slow
 def test_a_run_continued_by_more_steps_then_left_alone_when_finished(tmp_path, capsys, caplog):
     """Attempt 1 trains one RL step and finishes; attempt 2 (``--resume --set
     train.rl_steps=2``) continues it from its checkpoint; attempt 3 finds it finished, says so,

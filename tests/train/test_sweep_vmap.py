@@ -93,6 +93,7 @@ def crash_in_second_rollout(monkeypatch):
     return monkeypatch
 
 
+@pytest.mark.slow
 def test_vectorised_sweep_equals_sequential_points(tmp_path, crash_in_second_rollout):
     exp = tmp_path / "vmap_toy.py"
     exp.write_text(EXPERIMENT.format(sweep_lr=os.path.abspath(SWEEP_LR), workdir=str(tmp_path)))

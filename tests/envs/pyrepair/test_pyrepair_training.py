@@ -4,6 +4,8 @@ evaluation run on it unchanged (``experiments/pyrepair.py:smoke=True``, a tiny m
 import json
 import os
 
+import pytest
+
 from agentrl_jax.config import load_config
 from agentrl_jax.train.main import run
 
@@ -11,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 SMOKE = os.path.join(ROOT, "experiments", "pyrepair.py") + ":smoke=True"
 
 
+@pytest.mark.slow
 def test_pyrepair_sft_rl_smoke(tmp_path):
     cfg = load_config(
         SMOKE,
