@@ -23,6 +23,7 @@ from agentrl_jax.kernels.block_sparse import (
     normalize_block_indices,
 )
 from agentrl_jax.kernels.paged_decode import (
+    combine_attention,
     paged_decode_attention,
     paged_decode_attention_reference,
     paged_decode_attention_xla,
@@ -41,6 +42,7 @@ __all__ = [
     "block_sparse_attention",
     "block_sparse_attention_reference",
     "block_sparse_attention_xla",
+    "combine_attention",
     "normalize_block_indices",
     "paged_decode_attention",
     "paged_decode_attention_reference",

@@ -36,6 +36,16 @@ def masked_softmax(logits: jax.Array, mask: jax.Array, axis: int = -1) -> jax.Ar
     return p / jnp.where(denom > 0, denom, 1.0)
 
 
+def masked_logsumexp(logits: jax.Array, mask: jax.Array, axis: int = -1) -> jax.Array:
+    """fp32 log-sum-exp of ``logits`` over ``axis`` restricted to ``mask``; -inf where nothing
+    is visible (the neutral element of the merge of partial softmaxes)."""
+    logits = jnp.where(mask, logits.astype(jnp.float32), -jnp.inf)
+    m = jnp.max(logits, axis=axis)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    den = jnp.sum(jnp.where(mask, jnp.exp(logits - jnp.expand_dims(m_safe, axis)), 0.0), axis)
+    return jnp.where(den > 0, m_safe + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+
+
 def check_gqa(q_heads: int, kv_heads: int) -> int:
     """Returns the GQA group size ``q_heads // kv_heads``; raises if it is not whole."""
     if kv_heads < 1 or q_heads % kv_heads:

@@ -5,6 +5,13 @@ shared page pool; its new token attends to the first ``lengths[b]`` cached token
 last ``window`` of them. Pages may be float32/bfloat16, or int8 with one float scale per page
 and kv head (dequantised value = int8 * scale). ``lengths[b] == 0`` returns zeros.
 
+An optional per-token ``kv_mask`` (bool [B, max_pages * page_size], by logical position) hides
+further keys: evicted tokens, or the tokens whose page lives in another pool. With
+``return_lse`` every implementation also returns the log-sum-exp of the visible scores per
+(sequence, query head) and the output in float32, so calls over disjoint key sets (a float pool
+and an int8 pool) merge exactly with :func:`combine_attention` (a row with nothing visible has
+lse = -inf and output 0, and merges as an empty part).
+
 Einsum legend: B batch, K kv heads, G query heads per kv head (N = K * G), H head dim,
 S cached token (page-major: page j slot o is token j * page_size + o), T cached (token, kv head)
 pair in page-pool order.
@@ -14,17 +21,25 @@ from __future__ import annotations
 
 import functools
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from agentrl_jax.kernels.attention_math import check_gqa, default_scale, masked_softmax
+from agentrl_jax.kernels.attention_math import (
+    check_gqa,
+    default_scale,
+    masked_logsumexp,
+    masked_softmax,
+)
 from agentrl_jax.kernels.paged_decode_pallas import paged_decode_attention_pallas
 from agentrl_jax.kernels.paged_decode_tpu import paged_decode_attention_pallas_tpu
 from agentrl_jax.kernels.select import OpShape, dtype_name, select_impl
 
 
-def _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales) -> int:
+def _validate(
+    q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales, kv_mask=None
+) -> int:
     if q.ndim != 3:
         raise ValueError(f"q must be [B, Hq, D]; got {q.shape=}")
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
@@ -56,6 +71,13 @@ def _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_sc
                 raise ValueError(f"int8 pages need {name} of shape [P={p}, Hkv={kh}]; got {shape}")
     elif k_scales is not None or v_scales is not None:
         raise ValueError(f"k_scales/v_scales are only for int8 pages; got {k_pages.dtype=}")
+    if kv_mask is not None:
+        want = (b, block_tables.shape[1] * k_pages.shape[1])
+        if kv_mask.shape != want or kv_mask.dtype != jnp.bool_:
+            raise ValueError(
+                f"kv_mask must be bool [B, max_pages * page_size] = {want}; got "
+                f"{kv_mask.shape=} {kv_mask.dtype=}"
+            )
     return g
 
 
@@ -68,6 +90,47 @@ def _mask(pos: jax.Array, lengths: jax.Array, window: int | None) -> jax.Array:
     return mask
 
 
+def _finish(out: jax.Array, lse: jax.Array, dtype, return_lse: bool):
+    """(out fp32, lse) when ``return_lse``, else out cast to ``dtype``."""
+    return (out, lse) if return_lse else out.astype(dtype)
+
+
+def combine_attention(
+    outs: Sequence[jax.Array], lses: Sequence[jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+    """Merges attention over disjoint key sets from their normalised outputs and log-sum-exps.
+
+    ``o = sum_i o_i * exp(lse_i - lse)`` with ``lse = logsumexp_i lse_i``: exactly the softmax
+    over the union of the key sets. Parts with lse = -inf (nothing visible) weigh 0; a row that
+    sees nothing in any part gets output 0 and lse -inf (no NaN).
+
+    Args:
+      outs: outputs [..., D] (any float dtype; merged in float32), one per part.
+      lses: float32 log-sum-exps [...], one per part (``return_lse=True``).
+
+    Returns:
+      (out float32 [..., D], lse float32 [...]).
+
+    Raises:
+      ValueError: if ``outs`` is empty or the parts' counts or shapes differ.
+    """
+    if not outs or len(outs) != len(lses):
+        raise ValueError(f"combine_attention needs as many lses as outs (>= 1); got "
+                         f"{len(outs)=} {len(lses)=}")  # fmt: skip
+    for o, lse in zip(outs, lses, strict=True):
+        if o.shape[:-1] != lses[0].shape or lse.shape != lses[0].shape:
+            raise ValueError(f"parts must share shapes: {o.shape=} {lse.shape=}")
+    lse = jnp.stack([x.astype(jnp.float32) for x in lses])  # [I, ...]
+    m = jnp.max(lse, axis=0)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m_safe)  # 0 for empty parts
+    den = jnp.sum(w, axis=0)
+    seen = den > 0
+    w = w / jnp.where(seen, den, 1.0)
+    out = sum(w[i][..., None] * o.astype(jnp.float32) for i, o in enumerate(outs))
+    return out, jnp.where(seen, m_safe + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
+
+
 def paged_decode_attention_reference(
     q: jax.Array,
     k_pages: jax.Array,
@@ -78,8 +141,10 @@ def paged_decode_attention_reference(
     window: int | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    kv_mask: jax.Array | None = None,
     softmax_scale: float | None = None,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """fp32 reference: gathers every page in the block table, dequantises, masks.
 
     Args:
@@ -91,15 +156,20 @@ def paged_decode_attention_reference(
       window: if set, attend only to the last ``window`` cached tokens.
       k_scales: [P, Hkv] float scales, required iff pages are int8.
       v_scales: [P, Hkv] float scales, required iff pages are int8.
+      kv_mask: optional bool [B, max_pages * page_size]: keys (by logical position) that may
+        be attended, on top of ``lengths`` and ``window``.
       softmax_scale: logit scale; default 1/sqrt(D).
+      return_lse: also return the log-sum-exp of the visible logits.
 
     Returns:
-      [B, Hq, D] in q.dtype; zeros where lengths[b] == 0.
+      [B, Hq, D] in q.dtype; zeros where no key is visible. With ``return_lse``:
+      (out float32 [B, Hq, D], lse float32 [B, Hq], -inf where no key is visible).
 
     Raises:
-      ValueError: on inconsistent shapes/dtypes, missing or superfluous scales, window < 1.
+      ValueError: on inconsistent shapes/dtypes, missing or superfluous scales, window < 1, a
+        kv_mask that is not bool [B, max_pages * page_size].
     """
-    g = _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales)
+    g = _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales, kv_mask)
     b, n, h = q.shape
     num_pages, ps, kh, _ = k_pages.shape
     bt = jnp.clip(block_tables, 0, num_pages - 1)
@@ -113,8 +183,12 @@ def paged_decode_attention_reference(
     qg = q.astype(jnp.float32).reshape(b, kh, g, h)
     logits = jnp.einsum("BKGH,BSKH->BKGS", qg, k) * default_scale(h, softmax_scale)
     mask = _mask(jnp.arange(k.shape[1]), lengths, window)
+    if kv_mask is not None:
+        mask &= kv_mask
     p = masked_softmax(logits, mask[:, None, None, :])
-    return jnp.einsum("BKGS,BSKH->BKGH", p, v).reshape(b, n, h).astype(q.dtype)
+    out = jnp.einsum("BKGS,BSKH->BKGH", p, v).reshape(b, n, h)
+    lse = masked_logsumexp(logits, mask[:, None, None, :]).reshape(b, n)
+    return _finish(out, lse, q.dtype, return_lse)
 
 
 def paged_decode_attention_xla(
@@ -127,8 +201,10 @@ def paged_decode_attention_xla(
     window: int | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    kv_mask: jax.Array | None = None,
     softmax_scale: float | None = None,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """XLA implementation: gathers pages (only the window's pages when ``window`` is set).
 
     Pages are gathered as whole contiguous rows and used in their natural [token, kv head]
@@ -140,7 +216,7 @@ def paged_decode_attention_xla(
     multiplied into the logits / probabilities by their per-page scale instead of dequantising
     the gathered values. Shapes as :func:`paged_decode_attention_reference`.
     """
-    g = _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales)
+    g = _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales, kv_mask)
     b, n, h = q.shape
     num_pages, ps, kh, _ = k_pages.shape
     max_pages = block_tables.shape[1]
@@ -167,7 +243,10 @@ def paged_decode_attention_xla(
         logits = logits * k_scales[bt].astype(jnp.float32)[:, None, None, :, None, :]
     logits = logits * default_scale(h, softmax_scale)
     pos = (page_slots[:, :, None] * ps + jnp.arange(ps)).reshape(b, n_pages * ps)
-    visible = _mask(pos, lengths, window).reshape(b, 1, 1, n_pages, ps, 1)
+    visible = _mask(pos, lengths, window)
+    if kv_mask is not None:  # the gathered pages' tokens (pos < max_pages * ps)
+        visible &= jnp.take_along_axis(kv_mask, pos, axis=1)
+    visible = visible.reshape(b, 1, 1, n_pages, ps, 1)
     own_head = (jnp.arange(kh)[:, None] == jnp.arange(kh)).reshape(1, kh, 1, 1, 1, kh)
     mask = (visible & own_head).reshape(b, kh, 1, t)
     p = masked_softmax(logits.reshape(b, kh, g, t), mask).reshape(logits.shape)
@@ -175,7 +254,8 @@ def paged_decode_attention_xla(
         p = p * v_scales[bt].astype(jnp.float32)[:, None, None, :, None, :]
     p = p.reshape(b, n, t).astype(compute)
     out = jnp.einsum("BNT,BTH->BNH", p, gather(v_pages), preferred_element_type=jnp.float32)
-    return out.astype(q.dtype)
+    lse = masked_logsumexp(logits.reshape(b, kh, g, t), mask) if return_lse else None
+    return _finish(out, None if lse is None else lse.reshape(b, n), q.dtype, return_lse)
 
 
 def op_shape(q: jax.Array, k_pages: jax.Array, block_tables: jax.Array) -> OpShape:
@@ -193,7 +273,9 @@ def op_shape(q: jax.Array, k_pages: jax.Array, block_tables: jax.Array) -> OpSha
     )
 
 
-@functools.partial(jax.jit, static_argnames=("window", "softmax_scale", "impl", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("window", "softmax_scale", "return_lse", "impl", "interpret")
+)
 def paged_decode_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -204,10 +286,12 @@ def paged_decode_attention(
     window: int | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    kv_mask: jax.Array | None = None,
     softmax_scale: float | None = None,
+    return_lse: bool = False,
     impl: str = "auto",
     interpret: bool | Any = False,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention of one new token per sequence against its paged KV cache.
 
     Args:
@@ -219,7 +303,11 @@ def paged_decode_attention(
       window: if set (>= 1), attend only to the last ``window`` cached tokens.
       k_scales: [P, Hkv] float dequantisation scales, required iff pages are int8.
       v_scales: [P, Hkv] float dequantisation scales, required iff pages are int8.
+      kv_mask: optional bool [B, max_pages * page_size]: which keys (by logical position
+        ``slot * page_size + offset``) may be attended, on top of ``lengths`` and ``window``.
       softmax_scale: logit scale; default 1/sqrt(D).
+      return_lse: also return the log-sum-exp of the visible logits, for
+        :func:`combine_attention`.
       impl: 'xla', 'pallas' (split-K generic kernel gathering pages through the block table:
         Triton on GPU, interpret mode on CPU), 'pallas_tpu' (scalar-prefetch Mosaic kernel:
         the block table drives the page DMAs) or 'auto' (``select.select_impl``: the Triton
@@ -228,15 +316,24 @@ def paged_decode_attention(
         'pallas_tpu' also ``pltpu.InterpretParams()`` (TPU semantics).
 
     Returns:
-      [B, Hq, D] in q.dtype; float32 softmax/accumulation; zeros where lengths[b] == 0.
+      [B, Hq, D] in q.dtype; float32 softmax/accumulation; zeros where no key is visible
+      (lengths[b] == 0 or all masked). With ``return_lse``: (out float32 [B, Hq, D], lse
+      float32 [B, Hq], -inf where no key is visible).
 
     Raises:
-      ValueError: on inconsistent shapes/dtypes, missing or superfluous scales, window < 1 or an
-        unknown impl.
+      ValueError: on inconsistent shapes/dtypes, missing or superfluous scales, window < 1, a
+        kv_mask that is not bool [B, max_pages * page_size], or an unknown impl.
     """
-    _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales)
+    _validate(q, k_pages, v_pages, block_tables, lengths, window, k_scales, v_scales, kv_mask)
     impl = select_impl("paged_decode", impl, op_shape(q, k_pages, block_tables))
-    kwargs = dict(window=window, k_scales=k_scales, v_scales=v_scales, softmax_scale=softmax_scale)
+    kwargs = dict(
+        window=window,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        kv_mask=kv_mask,
+        softmax_scale=softmax_scale,
+        return_lse=return_lse,
+    )
     args = (q, k_pages, v_pages, block_tables, lengths)
     if impl == "xla":
         return paged_decode_attention_xla(*args, **kwargs)

@@ -10,7 +10,10 @@ work. The partial results (normalised output and log-sum-exp per split) are comb
 The G query heads of the kv head form the tile's rows (padded with zero heads to the 16 rows a
 Triton dot needs). int8 pages are converted to the query dtype in registers; the per-(page, kv
 head) scales act on the logits' columns (key scale) and on the probabilities' columns before
-the ``P @ V`` matmul (value scale), so no dequantised tile is ever formed.
+the ``P @ V`` matmul (value scale), so no dequantised tile is ever formed. A per-token key
+mask (``kv_mask``, int32 [B, max_pages * page_size] here, by logical position) is loaded with the
+same row indices as the tile and ANDed into the visibility. The combine also returns the
+log-sum-exp over all splits (``return_lse``).
 
 ``paged_decode_visits`` runs the kernel in interpret mode with a counter output and returns
 which page slots each program read.
@@ -89,11 +92,13 @@ def visible_pages(max_pages: int, page_size: int, window: int | None) -> int:
     return min(max_pages, -(-window // page_size) + 1)
 
 
-def _kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, scale, window, ppb, pps, ps, quantized):
-    if quantized:
-        ks_ref, vs_ref, o_ref, lse_ref, *vis = rest
-    else:
-        o_ref, lse_ref, *vis = rest
+def _kernel(
+    len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, scale, window, ppb, pps, ps, quantized, masked
+):
+    rest = list(rest)
+    ks_ref, vs_ref = (rest.pop(0), rest.pop(0)) if quantized else (None, None)
+    m_ref = rest.pop(0) if masked else None
+    o_ref, lse_ref, *vis = rest
     b, split = pl.program_id(0), pl.program_id(2)
     q = q_ref[...]
     g, h = q.shape
@@ -126,6 +131,8 @@ def _kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, scale, window, ppb, pps
             v_col = vs_ref[page]
         pos = slot * ps + r % ps
         visible = (pos < length) & (pos >= first_tok) & (slot < hi)
+        if masked:  # the tile's tokens by logical position (clamped: the tail is masked anyway)
+            visible &= m_ref[jnp.minimum(pos, m_ref.shape[0] - 1)] != 0
         s = jnp.where(visible[None, :], s, -jnp.inf)
         return online_softmax_step(carry, s, v, v_col)
 
@@ -137,14 +144,17 @@ def _kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *rest, scale, window, ppb, pps
     lse_ref[...] = jnp.where(seen, m_i + jnp.log(l_safe), -jnp.inf)
 
 
-def _combine(o_part: jax.Array, lse_part: jax.Array) -> jax.Array:
-    """Merges per-split results: [B, K, S, G, H] fp32 and [B, K, S, G] -> [B, K, G, H] fp32."""
+def _combine(o_part: jax.Array, lse_part: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Merges per-split results: [B, K, S, G, H] fp32 and [B, K, S, G] -> ([B, K, G, H] fp32,
+    lse [B, K, G], -inf where no split saw a key)."""
     m = jnp.max(lse_part, axis=2, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse_part - m)  # 0 for empty splits
     den = jnp.sum(w, axis=2)
     out = jnp.sum(w[..., None] * o_part, axis=2)
-    return out / jnp.where(den > 0, den, 1.0)[..., None]
+    seen = den > 0
+    den = jnp.where(seen, den, 1.0)
+    return out / den[..., None], jnp.where(seen, m[:, :, 0] + jnp.log(den), -jnp.inf)
 
 
 def _call(
@@ -155,6 +165,7 @@ def _call(
     lengths,
     k_scales,
     v_scales,
+    kv_mask,
     *,
     window,
     scale,
@@ -187,6 +198,9 @@ def _call(
     if quantized:
         in_specs += [pl.BlockSpec((num_pages, None), lambda i, n_, s: (0, n_))] * 2
         args += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
+    if kv_mask is not None:  # int32: Triton loads of bool refs are not portable
+        in_specs.append(pl.BlockSpec((None, max_pages * ps), lambda i, n_, s: (i, 0)))
+        args.append(kv_mask.astype(jnp.int32))
     out_specs = [
         pl.BlockSpec((None, None, None, gp, h), lambda i, n_, s: (i, n_, s, 0, 0)),
         pl.BlockSpec((None, None, None, gp), lambda i, n_, s: (i, n_, s, 0)),
@@ -202,7 +216,14 @@ def _call(
         out_shape.append(jax.ShapeDtypeStruct((b, kh, n_split, max_pages + 1), jnp.int32))
     bsz = block_sizes or BlockSizes()
     kernel = functools.partial(
-        _kernel, scale=scale, window=window, ppb=ppb, pps=pps, ps=ps, quantized=quantized
+        _kernel,
+        scale=scale,
+        window=window,
+        ppb=ppb,
+        pps=pps,
+        ps=ps,
+        quantized=quantized,
+        masked=kv_mask is not None,
     )
     outs = pl.pallas_call(
         kernel,
@@ -226,17 +247,20 @@ def paged_decode_attention_pallas(
     window: int | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    kv_mask: jax.Array | None = None,
     softmax_scale: float | None = None,
+    return_lse: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Paged decode attention through the split-K Pallas kernel (forward only).
 
     Args: as ``paged_decode_attention``; ``block_sizes`` sets the pages per step and per split
       (default: 128 tokens per step at head_dim 128, 2048 per split).
 
     Returns:
-      [B, Hq, D] in q.dtype; zeros where lengths[b] == 0.
+      [B, Hq, D] in q.dtype; zeros where no key is visible. With ``return_lse``: (out float32
+      [B, Hq, D], lse float32 [B, Hq], -inf where no key is visible).
 
     Raises:
       ValueError: if explicit block sizes are inconsistent.
@@ -251,13 +275,17 @@ def paged_decode_attention_pallas(
         lengths,
         k_scales,
         v_scales,
+        kv_mask,
         window=window,
         scale=scale,
         block_sizes=block_sizes,
         interpret=interpret,
     )
-    out = _combine(o_part, lse_part)[:, :, :g]
-    return out.reshape(b, n, h).astype(q.dtype)
+    out, lse = _combine(o_part, lse_part)
+    out = out[:, :, :g].reshape(b, n, h)
+    if return_lse:
+        return out, lse[:, :, :g].reshape(b, n)
+    return out.astype(q.dtype)
 
 
 def paged_decode_visits(
@@ -293,6 +321,7 @@ def _visits(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, wind
         lengths,
         k_scales,
         v_scales,
+        None,
         window=window,
         scale=default_scale(q.shape[-1], None),
         block_sizes=block_sizes,

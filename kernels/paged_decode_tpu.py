@@ -18,6 +18,11 @@ pairs survive the mask, the per-(page, kv head) scales are applied per query row
 to the logits, the value scale to ``P @ V``. Scales travel as ``[1, Hkv]`` VMEM blocks of the
 ``[P, 1, Hkv]``-reshaped scale arrays (they are too many for SMEM in a large pool).
 
+A per-token key mask (``kv_mask``) travels as int32 ``[B, max_pages, 1, C]`` (each token's
+entry repeated over the kv heads in the column order, in the wrapper), one ``[1, C]`` block per
+page slot, indexed by the slot rather than the pool page. A second output holds the
+log-sum-exp per query row (``return_lse``).
+
 The prefetched block table (``B * max_pages`` int32) must fit in SMEM (1 MiB per core from
 TPU v4 on; 64 sequences x 2048 pages is 512 KiB): split larger batches.
 
@@ -67,26 +72,31 @@ def _first_page(length, page_size, window):
     return 0 if window is None else jnp.maximum(length - window, 0) // page_size
 
 
-def _page_index(b, slot, len_ref, bt_ref, *, page_size, window, max_pages, num_pages):
-    """Pool page for slot ``slot`` (relative to the first visible page) of sequence ``b``.
-
-    Slots past the last owned page map to the last one (no new DMA); empty sequences and junk
-    table entries are clamped into the pool (their page is fetched, never used).
-    """
+def _slot_index(b, slot, len_ref, *, page_size, window, max_pages):
+    """Block-table slot of step slot ``slot`` (relative to the first visible page) of sequence
+    ``b``; slots past the last owned page map to the last one (no new DMA)."""
     length = len_ref[b]
     first = _first_page(length, page_size, window)
     last = jnp.maximum((length + page_size - 1) // page_size - 1, first)
-    slot = jnp.minimum(jnp.minimum(first + slot, last), max_pages - 1)
+    return jnp.minimum(jnp.minimum(first + slot, last), max_pages - 1)
+
+
+def _page_index(b, slot, len_ref, bt_ref, *, page_size, window, max_pages, num_pages):
+    """Pool page of step slot ``slot`` of sequence ``b`` (:func:`_slot_index`); empty sequences
+    and junk table entries are clamped into the pool (their page is fetched, never used)."""
+    slot = _slot_index(b, slot, len_ref, page_size=page_size, window=window, max_pages=max_pages)
     return jnp.clip(bt_ref[b * max_pages + slot], 0, num_pages - 1)
 
 
-def _kernel(len_ref, bt_ref, *refs, scale, window, ppb, page_size, quantized):
+def _kernel(len_ref, bt_ref, *refs, scale, window, ppb, page_size, quantized, masked):
     q_ref, col_tok_ref, same_head_ref, head_onehot_ref = refs[:4]
     k_refs, v_refs = refs[4 : 4 + ppb], refs[4 + ppb : 4 + 2 * ppb]
     rest = refs[4 + 2 * ppb :]
     if quantized:
         ks_refs, vs_refs, rest = rest[:ppb], rest[ppb : 2 * ppb], rest[2 * ppb :]
-    o_ref, m_sc, l_sc, acc_sc = rest
+    if masked:
+        mask_refs, rest = rest[:ppb], rest[ppb:]
+    o_ref, lse_ref, m_sc, l_sc, acc_sc = rest
     b, step = pl.program_id(0), pl.program_id(1)
     length = len_ref[b]
     first_tok = 0 if window is None else jnp.maximum(length - window, 0)
@@ -111,6 +121,8 @@ def _kernel(len_ref, bt_ref, *refs, scale, window, ppb, page_size, quantized):
                 s = s * jnp.sum(head_onehot_ref[...] * ks_refs[j][...], axis=1, keepdims=True)
             pos = slot * page_size + col_tok_ref[...]  # [1, C]
             visible = (same_head_ref[...] != 0) & (pos < length) & (pos >= first_tok)
+            if masked:
+                visible &= mask_refs[j][...] != 0  # [1, C]
             s = jnp.where(visible, s, -jnp.inf)
             v_scale = None
             if quantized:
@@ -122,8 +134,10 @@ def _kernel(len_ref, bt_ref, *refs, scale, window, ppb, page_size, quantized):
     @pl.when(step == pl.num_programs(1) - 1)
     def _finish():
         l_i = l_sc[...]
-        out = acc_sc[...] / jnp.where(l_i > 0, l_i, 1.0)  # rows that saw no key: zeros
-        o_ref[...] = out.astype(o_ref.dtype)
+        seen = l_i > 0
+        l_safe = jnp.where(seen, l_i, 1.0)
+        o_ref[...] = (acc_sc[...] / l_safe).astype(o_ref.dtype)  # rows that saw no key: zeros
+        lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(l_safe), -jnp.inf)
 
 
 def _tpu_compiler_params(interpret):
@@ -142,10 +156,12 @@ def paged_decode_attention_pallas_tpu(
     window: int | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    kv_mask: jax.Array | None = None,
     softmax_scale: float | None = None,
+    return_lse: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool | pltpu.InterpretParams = False,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Paged decode attention through the scalar-prefetch TPU kernel (forward only).
 
     Args: as ``paged_decode_attention`` (inputs already validated there); ``block_sizes`` sets
@@ -154,7 +170,8 @@ def paged_decode_attention_pallas_tpu(
       simulated DMAs, SMEM/VMEM, out-of-bounds checks, NaN-filled scratch).
 
     Returns:
-      [B, Hq, D] in q.dtype; zeros where lengths[b] == 0.
+      [B, Hq, D] in q.dtype; zeros where no key is visible. With ``return_lse``: (out float32
+      [B, Hq, D], lse float32 [B, Hq], -inf where no key is visible).
 
     Raises:
       ValueError: if block_sizes.pages_per_block exceeds the visited page slots, or if
@@ -206,6 +223,20 @@ def paged_decode_attention_pallas_tpu(
         in_specs += sc_specs + sc_specs
         ks, vs = (x.astype(jnp.float32).reshape(num_pages, 1, kh) for x in (k_scales, v_scales))
         args += [ks] * ppb + [vs] * ppb
+    if kv_mask is not None:  # [B, S] -> [B, max_pages, 1, C]: column o * K + k is token o
+
+        def slot_spec(j):
+            def index_map(i, s, len_ref, bt_ref):
+                slot = _slot_index(
+                    i, s * ppb + j, len_ref, page_size=ps, window=window, max_pages=max_pages
+                )
+                return (i, slot, 0, 0)
+
+            return pl.BlockSpec((None, None, 1, cols), index_map)
+
+        in_specs += [slot_spec(j) for j in range(ppb)]
+        cols_mask = jnp.repeat(kv_mask.astype(jnp.int32).reshape(b, max_pages, 1, ps), kh, axis=3)
+        args += [cols_mask] * ppb
     kernel = functools.partial(
         _kernel,
         scale=default_scale(h, softmax_scale),
@@ -213,22 +244,28 @@ def paged_decode_attention_pallas_tpu(
         ppb=ppb,
         page_size=ps,
         quantized=quantized,
+        masked=kv_mask is not None,
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(b, steps),
         in_specs=in_specs,
-        out_specs=per_seq,
+        out_specs=[per_seq, pl.BlockSpec((None, n, 1), lambda i, s, *_: (i, 0, 0))],
         scratch_shapes=[
             pltpu.VMEM((n, 1), jnp.float32),
             pltpu.VMEM((n, 1), jnp.float32),
             pltpu.VMEM((n, h), jnp.float32),
         ],
     )
-    return pl.pallas_call(
+    out_dtype = jnp.float32 if return_lse else q.dtype
+    out, lse = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((b, n, h), q.dtype),
+        out_shape=[
+            jax.ShapeDtypeStruct((b, n, h), out_dtype),
+            jax.ShapeDtypeStruct((b, n, 1), jnp.float32),
+        ],
         interpret=interpret,
         compiler_params=_tpu_compiler_params(interpret),
     )(lengths.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1), *args)
+    return (out, lse[:, :, 0]) if return_lse else out

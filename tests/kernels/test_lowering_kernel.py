@@ -140,6 +140,23 @@ def test_paged_decode_auto(platform, int8, window):
     _check(platform, impl, _lower(platform, f, q, _pages(dtype), _pages(dtype)))
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+def test_paged_decode_kv_mask_and_lse(platform, int8):
+    """The per-token key mask and the log-sum-exp output (a float-pool or int8-pool call of
+    the rollout's two-pool decode), windowed."""
+    dtype = jnp.int8 if int8 else jnp.bfloat16
+    scales = dict(k_scales=jnp.ones((POOL, NKV)), v_scales=jnp.ones((POOL, NKV))) if int8 else {}
+    tables = jnp.zeros((B_DEC, MAX_PAGES), jnp.int32)
+    lengths = jnp.ones((B_DEC,), jnp.int32)
+    mask = jnp.ones((B_DEC, MAX_PAGES * PAGE), bool)
+    f = lambda q, kp, vp: kernels.paged_decode_attention(
+        q, kp, vp, tables, lengths, window=WINDOW, kv_mask=mask, return_lse=True, **scales
+    )
+    q = jax.ShapeDtypeStruct((B_DEC, NQ, H), jnp.bfloat16)
+    impl = {"tpu": "pallas_tpu", "cuda": "pallas"}[platform]
+    _check(platform, impl, _lower(platform, f, q, _pages(dtype), _pages(dtype)))
+
+
 def test_paged_decode_vmapped_over_kv_heads(platform):
     """As the rollout's sparse decode calls it: per-head pools of 8-token blocks, tables and
     lengths (pages of one kv head each)."""

@@ -7,7 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from agentrl_jax.kernels import paged_decode_attention, paged_decode_attention_reference
+from agentrl_jax.kernels import (
+    combine_attention,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
 from agentrl_jax.kernels.paged_decode_pallas import (
     BlockSizes,
     paged_decode_attention_pallas,
@@ -204,3 +208,173 @@ def test_visits_only_the_live_pages(window, bsz):
             got = vis[b, kv_head]  # [splits, max_pages + 1]
             np.testing.assert_array_equal(got[:, :-1].sum(axis=0), want)
             assert np.all(got[:, -1] < bsz.pages_per_block)
+
+
+# --- kv_mask (per-token key mask) and return_lse (merging calls over disjoint key sets).
+
+
+def _kv_mask(seed):
+    """Random keep mask with an all-false page (slot 1) and an all-false row (sequence 1)."""
+    rng = np.random.default_rng(seed)
+    mask = rng.random((len(LENGTHS), MAX_PAGES * PAGE)) < 0.6
+    mask[:, PAGE : 2 * PAGE] = False
+    mask[1] = False
+    return jnp.asarray(mask)
+
+
+def _tpu_impl(ppb):
+    return functools.partial(
+        paged_decode_attention_pallas_tpu,
+        block_sizes=TpuBlockSizes(pages_per_block=ppb),
+        interpret=pltpu.InterpretParams(),
+    )
+
+
+LSE_IMPLS = {**IMPLS, "pallas_tpu": _tpu_impl(2)}
+
+
+def _check_lse(fn, dtype, window, q, k, v, tables, lengths, scales, kv_mask):
+    @fast_jit
+    def both(q, k, v, tables, lengths, scales, kv_mask):
+        kw = dict(window=window, kv_mask=kv_mask, return_lse=True, **scales)
+        return fn(q, k, v, tables, lengths, **kw), paged_decode_attention_reference(
+            q, k, v, tables, lengths, **kw
+        )
+
+    (out, lse), (ref, ref_lse) = both(q, k, v, tables, lengths, scales, kv_mask)
+    assert out.dtype == jnp.float32 and lse.shape == q.shape[:2]
+    for row in (1, len(LENGTHS) - 1):  # all masked, lengths == 0: zeros and -inf, no NaN
+        np.testing.assert_array_equal(out[row], 0.0)
+        np.testing.assert_array_equal(lse[row], -np.inf)
+    np.testing.assert_allclose(out, ref, **TOL[dtype])
+    np.testing.assert_allclose(lse, ref_lse, **TOL[dtype])
+    plain = fast_jit(lambda *a: fn(*a[:5], window=window, kv_mask=a[5], **a[6]))
+    got = plain(q, k, v, tables, lengths, kv_mask, scales)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(ref.astype(dtype), np.float32), **TOL[dtype]
+    )
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas", "pallas-splits"])
+@pytest.mark.parametrize(
+    "window,dtype,int8", [(None, jnp.float32, False), (6, jnp.bfloat16, False),
+                          (None, jnp.bfloat16, True), (9, jnp.float32, True)],
+)  # fmt: skip
+def test_kv_mask_and_lse_match_reference(impl, window, dtype, int8):
+    inputs = _inputs(2, 4, 16, dtype, seed=21, int8=int8)
+    _check_lse(IMPLS[impl], dtype, window, *inputs, _kv_mask(22))
+
+
+def test_kv_mask_and_lse_pallas_tpu():
+    """The scalar-prefetch kernel under TPU semantics: int8 pages, a window, two pages/step."""
+    inputs = _inputs(2, 4, 16, jnp.bfloat16, seed=23, int8=True)
+    _check_lse(_tpu_impl(2), jnp.bfloat16, 9, *inputs, _kv_mask(24))
+
+
+def test_reference_lse_matches_numpy():
+    q, k, v, tables, lengths, _ = _inputs(2, 2, 8, jnp.float32, seed=25)
+    mask = _kv_mask(26)
+    out, lse = paged_decode_attention_reference(
+        q, k, v, tables, lengths, kv_mask=mask, return_lse=True
+    )
+    qn, kn, tn, mn = (np.asarray(x, np.float64) for x in (q, k, tables, mask))
+    for b, length in enumerate(LENGTHS):
+        toks = [(int(tn[b, s // PAGE]), s % PAGE) for s in range(length) if mn[b, s]]
+        for n in range(4):
+            if not toks:
+                assert lse[b, n] == -np.inf and not np.asarray(out[b, n]).any()
+                continue
+            s = np.stack([kn[p, o, n // 2] for p, o in toks]) @ qn[b, n] / np.sqrt(8)
+            want = s.max() + np.log(np.exp(s - s.max()).sum())
+            np.testing.assert_allclose(lse[b, n], want, rtol=1e-5)
+
+
+def _two_pools(dtype, seed):
+    """A float pool and an int8 pool; each logical page read from one of them (``use8``), a
+    keep mask over tokens. Returns (q, float inputs, int8 inputs, per-token use8, keep, union
+    inputs: one float32 pool holding both, dequantised)."""
+    q, k, v, tables, lengths, _ = _inputs(2, 4, 16, dtype, seed=seed)
+    _, k8, v8, _, _, scales = _inputs(2, 4, 16, dtype, seed=seed + 1, int8=True)
+    rng = np.random.default_rng(seed + 2)
+    tables8 = jnp.asarray(rng.permutation(NUM_PAGES)[: len(LENGTHS) * MAX_PAGES])
+    tables8 = tables8.reshape(len(LENGTHS), MAX_PAGES).astype(jnp.int32)
+    use8 = jnp.asarray(rng.random((len(LENGTHS), MAX_PAGES)) < 0.5).at[0, 0].set(True)
+    use8_tok = jnp.repeat(use8, PAGE, axis=1)
+    keep = _kv_mask(seed + 3).at[1].set(True)
+    deq = lambda c, s: c.astype(jnp.float32) * s[:, None, :, None]  # noqa: E731
+    union_k = jnp.concatenate([k.astype(jnp.float32), deq(k8, scales["k_scales"])])
+    union_v = jnp.concatenate([v.astype(jnp.float32), deq(v8, scales["v_scales"])])
+    union_tables = jnp.where(use8, NUM_PAGES + tables8, tables)
+    return (
+        q,
+        (k, v, tables),
+        (k8, v8, tables8, scales),
+        use8_tok,
+        keep,
+        (union_k, union_v, union_tables, lengths),
+    )
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas-splits", "pallas_tpu"])
+@pytest.mark.parametrize("window,dtype", [(None, jnp.float32), (9, jnp.bfloat16)])
+def test_float_and_int8_pools_combine_to_the_union(impl, window, dtype):
+    """A float-pool call and an int8-pool call, merged by lse, equal attention over the union
+    of their keys (the reference over one pool holding both)."""
+    if impl == "pallas_tpu" and dtype == jnp.float32:
+        pytest.skip("one TPU-semantics case is enough")
+    q, (k, v, tables), (k8, v8, tables8, scales), use8, keep, union = _two_pools(dtype, 31)
+    fn = LSE_IMPLS[impl]
+
+    @fast_jit
+    def merged(q, k, v, tables, k8, v8, tables8, scales, use8, keep, lengths):
+        kw = dict(window=window, return_lse=True)
+        f = fn(q, k, v, tables, lengths, kv_mask=keep & ~use8, **kw)
+        i8 = fn(q, k8, v8, tables8, lengths, kv_mask=keep & use8, **scales, **kw)
+        return combine_attention([f[0], i8[0]], [f[1], i8[1]])
+
+    uk, uv, ut, lengths = union
+    out, lse = merged(q, k, v, tables, k8, v8, tables8, scales, use8, keep, lengths)
+    ref, ref_lse = paged_decode_attention_reference(
+        q.astype(jnp.float32), uk, uv, ut, lengths, window=window, kv_mask=keep, return_lse=True
+    )
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[-1], 0.0)  # lengths == 0 in both pools
+    np.testing.assert_array_equal(lse[-1], -np.inf)
+    np.testing.assert_allclose(out, ref, **TOL[dtype])
+    np.testing.assert_allclose(lse, ref_lse, **TOL[dtype])
+
+
+def test_combine_attention_edge_cases():
+    """One empty part leaves the other unchanged; all parts empty give 0 and -inf; the merge
+    of two halves of a softmax is the whole softmax."""
+    rng = np.random.default_rng(41)
+    o = jnp.asarray(rng.standard_normal((3, 4, 8)), jnp.float32)
+    lse = jnp.asarray(rng.standard_normal((3, 4)), jnp.float32)
+    empty = jnp.full((3, 4), -jnp.inf)
+    out, got = combine_attention([o, jnp.zeros_like(o)], [lse, empty])
+    np.testing.assert_allclose(out, o, rtol=1e-6)
+    np.testing.assert_allclose(got, lse)
+    out, got = combine_attention([o, o], [empty, empty])
+    assert not np.asarray(out).any() and np.all(np.asarray(got) == -np.inf)
+    s, vals = rng.standard_normal(10), rng.standard_normal((10, 8))
+    soft = lambda x: np.exp(x - x.max()) / np.exp(x - x.max()).sum()  # noqa: E731
+    lse_of = lambda x: x.max() + np.log(np.exp(x - x.max()).sum())  # noqa: E731
+    parts = [(soft(s[:4]) @ vals[:4], lse_of(s[:4])), (soft(s[4:]) @ vals[4:], lse_of(s[4:]))]
+    out, got = combine_attention(
+        [jnp.asarray(p[0], jnp.float32) for p in parts], [jnp.float32(p[1]) for p in parts]
+    )
+    np.testing.assert_allclose(out, soft(s) @ vals, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, lse_of(s), rtol=1e-6)
+    with pytest.raises(ValueError, match="lses"):
+        combine_attention([o], [])
+
+
+def test_bad_kv_mask_raises():
+    q, k, v, tables, lengths, _ = _inputs(2, 2, 8, jnp.float32)
+    with pytest.raises(ValueError, match="kv_mask"):
+        paged_decode_attention(q, k, v, tables, lengths, kv_mask=jnp.ones((5, 3), bool))
+    with pytest.raises(ValueError, match="kv_mask"):
+        paged_decode_attention(
+            q, k, v, tables, lengths, kv_mask=jnp.ones((5, MAX_PAGES * PAGE), jnp.int32)
+        )
