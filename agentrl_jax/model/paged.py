@@ -195,12 +195,35 @@ def _int8_at(meta: dict, policy: DTypePolicy, s: int, page: int) -> jax.Array | 
     return i8
 
 
-def _sparse_decode(q, pool_k, pool_v, tables, idx, positions, new_len, cfg, policy):
+def two_pool_decode(attend_float, attend_int8, keep: jax.Array | None, use8: jax.Array | None):
+    """Decode attention over a float pool and an int8 pool, merged by log-sum-exp.
+
+    ``attend_float(kv_mask, return_lse)`` / ``attend_int8(...)`` call the paged decode kernel
+    on one pool with a per-token key mask (bool [..., S]). Without an int8 pool
+    (``attend_int8`` None) one float call with ``keep``; else the float call sees the kept
+    tokens of pages not in ``use8`` (bool [..., S], per token), the int8 call those in it, and
+    ``kernels.combine_attention`` merges them (the softmax over the union). Returns the output
+    (float32 when merged).
+    """
+    if attend_int8 is None:
+        return attend_float(keep, False)
+    keep = jnp.ones_like(use8) if keep is None else keep
+    f_out, f_lse = attend_float(keep & ~use8, True)
+    i_out, i_lse = attend_int8(keep & use8, True)
+    return kernels.combine_attention([f_out, i_out], [f_lse, i_lse])[0]
+
+
+def _sparse_decode(
+    q, pool_k, pool_v, tables, idx, positions, new_len, cfg, policy, keep=None, int8=None
+):
     """One-token sparse attention over the selected blocks through the paged decode kernel.
 
     q [B, 1, N, H]; pools [P, L, K, H]; tables int32 [B, max_pages]; idx int32 [B, 1, K, n_sel]
     selected blocks (-1 unused; the own block always selected); positions, new_len int32 [B, 1],
-    [B]. Returns [B, 1, N, H] in the compute dtype. See the module docstring.
+    [B]; keep: optional bool [B, max_pages * L] keys still held (eviction); int8: optional
+    (Int8Pool with tables [B, max_pages], use8 bool [B, max_pages]): pages read from the int8
+    pool (:func:`two_pool_decode`). Returns [B, 1, N, H] in the compute dtype. See the module
+    docstring.
     """
     b, _, n, h = q.shape
     n_pages, page = pool_k.shape[:2]
@@ -211,24 +234,50 @@ def _sparse_decode(q, pool_k, pool_v, tables, idx, positions, new_len, cfg, poli
     sel = jnp.sort(jnp.where(sel < 0, big, sel), axis=-1)  # ascending, unused last
     used = sel != big
     sel = jnp.where(used, sel, 0)
-    page_ids = jnp.take_along_axis(
-        tables[:, None, :], jnp.clip(sel // per_page, 0, tables.shape[1] - 1), axis=2
-    )
-    blocks = jnp.where(used, jnp.maximum(page_ids, 0) * per_page + sel % per_page, 0)
+    slot = jnp.clip(sel // per_page, 0, tables.shape[1] - 1)  # [B, K, n_sel] logical page
+
+    def block_ids(t):  # block (of bs tokens) of each selected block in a pool with tables t
+        page_ids = jnp.take_along_axis(t[:, None, :], slot, axis=2)
+        return jnp.where(used, jnp.maximum(page_ids, 0) * per_page + sel % per_page, 0)
+
     own = positions[:, 0] // bs  # [B]
     n_used = jnp.sum(used, axis=-1)  # [B, K]
     vlen = (n_used - 1) * bs + (new_len - own * bs)[:, None]
     vlen = jnp.clip(vlen, 0, sel.shape[-1] * bs).astype(jnp.int32)
-    kb = pool_k.reshape(n_pages * per_page, bs, kh, h)  # pages of one key block (free reshape)
-    vb = pool_v.reshape(n_pages * per_page, bs, kh, h)
     qg = q[:, 0].reshape(b, kh, n // kh, h)
+    vshape = (b, kh, sel.shape[-1] * bs)  # the virtual sequence: selected blocks in order
+    if keep is not None:
+        vpos = (sel[..., None] * bs + jnp.arange(bs)).reshape(vshape)
+        keep = jnp.take_along_axis(keep[:, None, :], vpos, axis=2)
+    use8 = None
+    if int8 is not None:
+        use8 = jnp.repeat(jnp.take_along_axis(int8[1][:, None, :], slot, axis=2), bs, axis=2)
 
-    def one_head(qk, kp, vp, bt, ln):  # [B, G, H], [Pb, bs, H] x2, [B, n_sel], [B]
-        return kernels.paged_decode_attention(
-            qk, kp[:, :, None], vp[:, :, None], bt, ln, impl=policy.kernel_impl
-        )
+    def attend(pk, pv, bt, scales):  # the kernel per kv head over one pool viewed as blocks
+        blocks_of = lambda x: x.reshape(x.shape[0] * per_page, bs, kh, h)  # noqa: E731 (free)
+        kb, vb = blocks_of(pk), blocks_of(pv)
+        sc = None if scales is None else [jnp.repeat(x, per_page, axis=0) for x in scales]
 
-    out = jax.vmap(one_head, in_axes=(1, 2, 2, 1, 1), out_axes=1)(qg, kb, vb, blocks, vlen)
+        def call(kv_mask, return_lse):
+            def one_head(qk, kp, vp, bt, ln, m, s):  # [B, G, H], [Pb, bs, H] x2, [B, n_sel]
+                kw = {} if s is None else dict(k_scales=s[0][:, None], v_scales=s[1][:, None])
+                return kernels.paged_decode_attention(
+                    qk, kp[:, :, None], vp[:, :, None], bt, ln, kv_mask=m,
+                    return_lse=return_lse, impl=policy.kernel_impl, **kw,
+                )  # fmt: skip
+
+            axes = (1, 2, 2, 1, 1, None if kv_mask is None else 1, None if sc is None else 1)
+            return jax.vmap(one_head, in_axes=axes, out_axes=1)(
+                qg, kb, vb, block_ids(bt), vlen, kv_mask, sc
+            )
+
+        return call
+
+    attend_int8 = None
+    if int8 is not None:
+        pool8 = int8[0]
+        attend_int8 = attend(pool8.k, pool8.v, pool8.tables, (pool8.ks, pool8.vs))
+    out = two_pool_decode(attend(pool_k, pool_v, tables, None), attend_int8, keep, use8)
     return out.reshape(b, 1, n, h).astype(policy.compute)
 
 

@@ -24,6 +24,7 @@ from the stored block means; ``replay`` (int32 [B, C, K, n]) replaces the select
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,7 @@ from agentrl_jax.model.paged import (
     over_live_pages,
     read_pages,
     read_tokens,
+    two_pool_decode,
 )
 from agentrl_jax.model.select import select_blocks
 from agentrl_jax.model.sinks import masked_attention
@@ -115,17 +117,25 @@ class _Chunk:
             new["blocks"] = blocks
         return out.astype(self.policy.compute), new
 
-    def read_context(self) -> tuple[jax.Array, jax.Array]:
-        """Keys and values of every position of every sequence: [B, S, K, H] each."""
-        safe = jnp.maximum(self.raw, 0) + self.group * self.n_pages
+    def read_context(self, n: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """Keys and values of every position of every sequence (of the first ``n`` pages):
+        [B, S, K, H] each."""
+        safe = jnp.maximum(self.raw[:, :n], 0) + self.group * self.n_pages
         if self.int8 is None:
             return read_pages(self.k, safe), read_pages(self.v, safe)
-        safe8 = jnp.maximum(self.int8.tables, 0)
-        i8 = self.int8
+        safe8 = jnp.maximum(self.int8.tables[:, :n], 0)
+        i8, use8 = self.int8, self.use8[:, :n]
         return (
-            read_pages(self.k, safe, i8.k, i8.ks, safe8, self.use8),
-            read_pages(self.v, safe, i8.v, i8.vs, safe8, self.use8),
+            read_pages(self.k, safe, i8.k, i8.ks, safe8, use8),
+            read_pages(self.v, safe, i8.v, i8.vs, safe8, use8),
         )
+
+    def int8_parts(self, n: int) -> tuple[Int8Pool, jax.Array] | None:
+        """The int8 pool with its tables cut to the first ``n`` pages and those pages' ``use8``
+        (``model.paged._sparse_decode``), or None without an int8 pool."""
+        if self.int8 is None:
+            return None
+        return self.int8._replace(tables=self.int8.tables[:, :n]), self.use8[:, :n]
 
     def read_at(self, pos: jax.Array, heads: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys and values at positions int32 [B, ...] of kv heads ``heads`` (broadcastable):
@@ -182,24 +192,19 @@ def paged_chunk(
     ch = _Chunk(q, positions, valid, new_len, meta, cache, group, cfg, policy, record)
     _write(ch, kd, vd)
     c = q.shape[1]
-    use_kernel = decode_kernel and c == 1 and "keep" not in meta and "mass" not in cache
-    use_kernel = use_kernel and sinks is None and ch.int8 is None
+    use_kernel = decode_kernel and c == 1 and "mass" not in cache and sinks is None
     n_sel = min(cfg.sparse_topk_blocks, -(-ch.s // cfg.sparse_block_size))
     if use_kernel and kind == "D":
-        out = over_live_pages(
-            lambda n: kernels.paged_decode_attention(
-                q[:, 0], ch.k, ch.v, ch.tables[:, :n], new_len, impl=policy.kernel_impl
-            ),
-            ch.tables,
-            new_len,
-            ch.page,
-        )
+        out = over_live_pages(functools.partial(_kernel_dense, ch), ch.tables, new_len, ch.page)
         return ch.result(out[:, None])
     if kind == "F" and "kmean" in cache:
         blocks = replay if replay is not None else _score(ch, n_sel)
         blocks = fit_blocks(blocks, n_sel)
         if use_kernel:
-            out = _sparse_decode(q, ch.k, ch.v, ch.tables, blocks, positions, new_len, cfg, policy)
+            out = _sparse_decode(
+                q, ch.k, ch.v, ch.tables, blocks, positions, new_len, cfg, policy,
+                keep=ch.keep, int8=ch.int8_parts(ch.tables.shape[1]),
+            )  # fmt: skip
             return ch.result(out, blocks)
         return _gathered(ch, blocks)
     if use_kernel:  # F: block selection on the live keys, the kernel over the selected blocks
@@ -266,29 +271,58 @@ def _gathered(ch: _Chunk, blocks: jax.Array):
     return ch.result(out, blocks, mass=ch.cache["mass"].at[ch.group].add(got))
 
 
+def _kernel_dense(ch: _Chunk, n: int) -> jax.Array:
+    """D through the decode kernel over the first ``n`` pages: [B, N, H]. With an int8 pool,
+    one call per pool merged by log-sum-exp; ``keep`` as the kernel's key mask."""
+    q, lens, impl = ch.q[:, 0], ch.new_len, ch.policy.kernel_impl
+    keep = None if ch.keep is None else ch.keep[:, : n * ch.page]
+
+    def attend_float(kv_mask, lse):
+        tables = ch.tables[:, :n]
+        return kernels.paged_decode_attention(
+            q, ch.k, ch.v, tables, lens, kv_mask=kv_mask, return_lse=lse, impl=impl
+        )
+
+    if ch.int8 is None:
+        return two_pool_decode(attend_float, None, keep, None)
+    i8 = ch.int8
+
+    def attend_int8(kv_mask, lse):
+        return kernels.paged_decode_attention(
+            q, i8.k, i8.v, i8.tables[:, :n], lens, k_scales=i8.ks, v_scales=i8.vs,
+            kv_mask=kv_mask, return_lse=lse, impl=impl,
+        )  # fmt: skip
+
+    use8 = jnp.repeat(ch.use8[:, :n], ch.page, axis=1)
+    return two_pool_decode(attend_float, attend_int8, keep, use8)
+
+
 def _kernel_sparse(ch: _Chunk, n_sel: int, replay: jax.Array | None):
     """F through the decode kernel: ``select_blocks`` on the live pages' keys (or ``replay``),
     the kernel over the selected blocks."""
     cfg, q = ch.cfg, ch.q
-    b = q.shape[0]
 
     def sparse(n):
+        keep = None if ch.keep is None else ch.keep[:, : n * ch.page]
         if replay is not None:
             idx = replay
         else:
-            safe = jnp.maximum(ch.raw[:, :n], 0) + ch.group * ch.n_pages
-            keys = ch.k[safe].reshape(b, n * ch.page, cfg.n_kv_heads, cfg.head_dim)
+            keys = ch.read_context(n)[0]
+            k_valid = jnp.arange(n * ch.page)[None, :] < ch.new_len[:, None]
             idx = select_blocks(
                 q,
                 keys,
                 block_size=cfg.sparse_block_size,
                 topk_blocks=cfg.sparse_topk_blocks,
                 q_positions=ch.positions,
-                k_valid=jnp.arange(n * ch.page)[None, :] < ch.new_len[:, None],
+                k_valid=k_valid if keep is None else k_valid & keep,
             )
         idx = fit_blocks(idx, n_sel)  # fewer blocks than the full width: unused (-1)
         tb = ch.tables[:, :n]
-        out = _sparse_decode(q, ch.k, ch.v, tb, idx, ch.positions, ch.new_len, cfg, ch.policy)
+        out = _sparse_decode(
+            q, ch.k, ch.v, tb, idx, ch.positions, ch.new_len, cfg, ch.policy,
+            keep=keep, int8=ch.int8_parts(n),
+        )  # fmt: skip
         return out, idx
 
     out, idx = over_live_pages(sparse, ch.tables, ch.new_len, ch.page)

@@ -14,10 +14,11 @@ Decode kernel: under non-parity policies (and ``RolloutConfig.decode_kernel``, t
 decode feeds one row per step to a model built with ``decode_kernel=True``, so F/D layers attend
 through ``agentrl_jax.kernels.paged_decode_attention`` (impl from ``policy.kernel_impl``: XLA on
 CPU, Pallas on GPU/TPU) reading the page pool and block tables directly; S layers keep their ring
-buffers. Tokens and logprobs equal the chunk path's up to fp32 reduction order (tested). When
-the state tracks attention mass for KV eviction (``init_state(track_mass=True)``) or has an int8
-pool, decode uses the chunk path (the kernel returns no probabilities). Parity policies always
-use the chunk path.
+buffers. Tokens and logprobs equal the chunk path's up to fp32 reduction order (tested). An int8
+pool and recorded eviction / int8 decisions go through the kernel too (a float-pool and an
+int8-pool call merged by log-sum-exp, the keep mask as the kernel's key mask). When the state
+tracks attention mass for KV eviction (``init_state(track_mass=True)``), decode uses the chunk
+path (the kernel returns no probabilities). Parity policies always use the chunk path.
 
 int8 pool (``init_state(int8_pages=...)``): F/D layers get a second pool of int8 pages with its
 own block tables (``cache['int8_tables']``, filled by the agent loop); pages whose tokens are all
@@ -262,9 +263,7 @@ class Sampler:
 
     def uses_decode_kernel(self, state: DecodeState) -> bool:
         """Whether :meth:`decode` on ``state`` goes through the paged decode kernel."""
-        return (
-            self.kernel_decode and not self.tracks_mass(state) and "int8_tables" not in state.cache
-        )
+        return self.kernel_decode and not self.tracks_mass(state)
 
     @staticmethod
     def attention_mass(state: DecodeState) -> jax.Array:
@@ -419,7 +418,7 @@ class Sampler:
         n = cfg.max_new_tokens
         c = cfg.chunk
         kernel = self.uses_decode_kernel(state)  # static: from the state's structure
-        if kernel:  # one row per step; no eviction/int8 decisions without mass tracking
+        if kernel:  # one row per step
             model, c = self.decode_model, 1
             if self.unstack_decode:
                 params = unstack_groups(params, model.cfg.n_groups)
@@ -448,7 +447,7 @@ class Sampler:
             tok, lp = sample_tokens(st.logits, keys, cfg, greedy_rows)
             toks = jnp.zeros((b, c), jnp.int32).at[:, 0].set(tok)
             valid = jnp.zeros((b, c), bool).at[:, 0].set(live)
-            cache = st.cache if kernel else _with_keep(st.cache, st)
+            cache = _with_keep(st.cache, st)
             logits, cache, extras = model.apply(params, toks, cache=cache, valid=valid)
             new_logits = jnp.where(live[:, None], logits[:, 0], st.logits)
             out_tok = out_tok.at[:, i].set(jnp.where(live, tok, 0))

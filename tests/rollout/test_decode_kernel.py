@@ -85,14 +85,15 @@ def test_decode_calls_the_kernel_only_for_fast_policies(monkeypatch, fp32_model,
 
     monkeypatch.setattr(kernels, "paged_decode_attention", spy)
     sampler = Sampler(Transformer(CFG, get_policy(policy)), SAMPLING)
-    for track_mass in (False, True):
+    for track_mass, int8_pages in ((False, 0), (True, 0), (False, 4)):
         seen.clear()
-        st = sampler.init_state(N_SLOTS, track_mass=track_mass)
+        st = sampler.init_state(N_SLOTS, 16, track_mass=track_mass, int8_pages=int8_pages)
         ones = np.ones(N_SLOTS, bool)
         args = (jax.random.key(0), np.arange(N_SLOTS, dtype=np.int32), ones)
         budget = np.full(N_SLOTS, 2, np.int32)
         jax.make_jaxpr(sampler._decode)(params, st, *args, budget, np.int32(N_SLOTS))
-        want = calls and not track_mass  # eviction's mass tracking keeps the chunk path
+        # eviction's mass tracking keeps the chunk path; an int8 pool takes the kernel
+        want = calls and not track_mass
         assert bool(seen) == want and sampler.uses_decode_kernel(st) == want
         # the F layer of "SF": one call per KV head (vmapped), impl from the policy
         assert all(impl == "auto" for impl in seen)
@@ -110,3 +111,32 @@ def test_over_live_pages_takes_the_smallest_bucket_holding_every_slot():
     for lens, want in (([0, 0], 1), ([16, 3], 1), ([17, 0], 2), ([81, 5], 7), ([192, 1], 12)):
         got = over_live_pages(lambda n: jnp.int32(n), tables, jnp.asarray(lens), page=16)
         assert int(got) == want, lens
+
+
+def test_kernel_decode_with_int8_pool_and_eviction_matches_chunk_path(fast_model):
+    """Recorded int8 decisions (pages moved to the int8 pool) and evicted tokens: the kernel's
+    two-pool decode samples the chunk path's tokens with its logprobs (fp32 noise)."""
+    model, params = fast_model
+    b, n = 2, 40
+    toks = np.asarray(jax.random.randint(jax.random.key(5), (b, n), 3, CFG.vocab_size))
+    at = np.full((b, 64), np.iinfo(np.int32).max, np.int32)
+    evict, int8_at = at.copy(), at.copy()
+    int8_at[:, 8:24] = 32  # pages 1 and 2 int8 from the chunk at 32 on
+    evict[0, 26:30] = 32  # a few tokens evicted
+    evict[1, 3:6] = 36
+    outs = []
+    for kernel in (True, False):
+        sampler = Sampler(model, SAMPLING.replace(decode_kernel=kernel, max_len=64))
+        st = sampler.init_state(b, int8_pages=8)
+        assert sampler.uses_decode_kernel(st) == kernel
+        tables8 = np.full(st.cache["int8_tables"].shape, -1, np.int32)
+        tables8[:, 1:3] = np.arange(2 * b).reshape(b, 2)
+        cache = {**st.cache, "int8_tables": jnp.asarray(tables8)}
+        st = st._replace(cache=cache, evict_at=jnp.asarray(evict), int8_at=jnp.asarray(int8_at))
+        st, _ = sampler.prefill(params, st, toks, np.full(b, n, np.int32))
+        ones = np.ones(b, bool)
+        args = (jax.random.key(0), np.arange(b, dtype=np.int32), ones, np.full(b, 6, np.int32))
+        outs.append(sampler.decode(params, st, *args, np.int32(b))[1])
+    ker, ref = outs
+    np.testing.assert_array_equal(ker.tokens, ref.tokens)
+    np.testing.assert_allclose(ker.logprobs, ref.logprobs, atol=ATOL)
