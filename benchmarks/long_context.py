@@ -24,6 +24,11 @@ Parts (``--parts``), each at every ``--contexts`` size (tokens):
     only its top-k blocks scored on stored block means (``gather``, ``ModelConfig.sparse_gather``),
     both through the chunk path (``decode_kernel`` false) and through the paged decode kernel
     (``decode_kernel`` true); ``sparse_speedup_vs_dense`` = gather / masked on the same path.
+    ``--decode-kv``: ``dense`` (no compression) and/or ``int8+evict``: the prefilled context's
+    middle (after the prompt, before the last ``2 * --obs`` tokens) in spans of ``--obs``
+    tokens, alternately moved to int8 pages (the int8 pool, ``int8_tables``), evicted, and
+    kept in float pages (recorded decisions taking effect at the span's end, no mass
+    tracking), so the kernel path reads two pools merged by log-sum-exp with a key mask.
   * ``parity``: ``--parity-contexts``: one episode under ``fp32-parity`` with the gather model,
     int8 + eviction and recorded blocks; ``max_abs_dlogp`` of the trainer's chunked pass against
     the rollout's logprobs (action tokens), replaying the KV masks and the blocks
@@ -32,7 +37,7 @@ Parts (``--parts``), each at every ``--contexts`` size (tokens):
     masks) against the trainer's teacher-forced pass with and without the recorded blocks.
 
 Usage: python benchmarks/long_context.py [--contexts 8192,32768] [--parts kv,decode,parity]
-       [--reps 5] [--parity-contexts 8192]
+       [--reps 5] [--parity-contexts 8192] [--decode-kv dense,int8+evict]
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from common import Timing, bench_model, env_fields
 
@@ -159,8 +165,36 @@ def decode_rate(sampler, params, state, n_new, reps):
     return Timing.from_ms(times)
 
 
+def compressed_state(sampler, n: int, obs: int):
+    """A one-slot decode state whose first ``n`` tokens will carry recorded int8 / eviction
+    decisions (``--decode-kv int8+evict``); returns (state, int8 tokens, evicted tokens)."""
+    max_len = sampler.cfg.max_len
+    state = sampler.init_state(1, int8_pages=max_len // PAGE)
+    pos = np.arange(max_len)
+    span = (pos - PROMPT) // obs
+    middle = (pos >= PROMPT) & (pos < n - 2 * obs)
+    done = ((span + 1) * obs + PROMPT + 127) // 128 * 128  # the next prefill chunk start
+    never = np.iinfo(np.int32).max
+    int8_at = np.where(middle & (span % 3 == 0), done, never).astype(np.int32)
+    evict_at = np.where(middle & (span % 3 == 1), done, never).astype(np.int32)
+    tables8 = np.arange(max_len // PAGE, dtype=np.int32)[None, :]  # one int8 page per page
+    cache = {**state.cache, "int8_tables": jnp.asarray(tables8)}
+    state = state._replace(
+        cache=cache, int8_at=jnp.asarray(int8_at[None]),
+        evict_at=jnp.asarray(evict_at[None]),
+    )  # fmt: skip
+    return state, int(np.sum(int8_at < n)), int(np.sum(evict_at < n))
+
+
 def decode_lines(context, args, params):
-    rates = {}
+    for kv in args.decode_kv.split(","):
+        if kv not in ("dense", "int8+evict"):
+            raise ValueError(f"--decode-kv {kv!r}; allowed: dense, int8+evict")
+        yield from _decode_lines(context, args, params, kv)
+
+
+def _decode_lines(context, args, params, kv):
+    rates, counts = {}, {}
     for mode, gather in (("masked", False), ("gather", True)):
         model = Transformer(MODEL.replace(sparse_gather=gather), get_policy("fp32"))
         for kernel in (False, True):
@@ -168,7 +202,11 @@ def decode_lines(context, args, params):
             sampler = Sampler(model, cfg)
             if not kernel:  # prefill once per model; the kernel path decodes from a copy
                 n = context - (args.reps + 1) * args.new
-                state = sampler.init_state(1)
+                if kv == "dense":
+                    state = sampler.init_state(1)
+                else:
+                    state, *int8_evicted = compressed_state(sampler, n, args.obs)
+                    counts = dict(zip(("int8_tokens", "evicted_tokens"), int8_evicted))
                 toks = np.asarray(jax.random.randint(jax.random.key(3), (1, n), 20, 400))
                 t0 = time.perf_counter()
                 state, _ = sampler.prefill(params, state, toks, np.full(1, n, np.int32))
@@ -177,10 +215,12 @@ def decode_lines(context, args, params):
             start = jax.tree.map(lambda a: a.copy(), state)
             t = decode_rate(sampler, params, start, args.new, args.reps)
             rates[mode, kernel] = args.new / (t.median_ms / 1e3)
+            kv_tag = "" if kv == "dense" else f"{kv}/"
             line = dict(
-                bench="long_context", variant=f"decode/{mode}/{'kernel' if kernel else 'chunk'}"
-                f"/{context}", context=context, kv_option="dense", policy="fp32",
-                dtype="float32", sparse_read=mode, decode_kernel=kernel,
+                bench="long_context", variant=f"decode/{kv_tag}{mode}/"
+                f"{'kernel' if kernel else 'chunk'}/{context}", context=context, kv_option=kv,
+                policy="fp32", dtype="float32", sparse_read=mode, decode_kernel=kernel,
+                uses_decode_kernel=sampler.uses_decode_kernel(state), **counts,
                 decode_tokens_per_s=round(rates[mode, kernel], 2), **t.fields("decode_ms"),
                 new_tokens=args.new, topk_tokens=MODEL.sparse_topk_tokens,
                 block_size=MODEL.sparse_block_size, prefill_s=round(prefill_s, 1),
@@ -233,6 +273,10 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--new", type=int, default=32, help="tokens per timed decode call")
     ap.add_argument("--obs", type=int, default=480, help="tokens per tool output")
+    ap.add_argument(
+        "--decode-kv", default="dense,int8+evict",
+        help="decode part's KV: dense and/or int8+evict (comma-separated)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO)
     params = init_params(Transformer(MODEL, get_policy("fp32")), jax.random.key(0))
