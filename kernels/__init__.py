@@ -4,7 +4,9 @@ Each op has a pure-jnp ``*_reference``, a blocked XLA implementation and Pallas 
 with ``impl='auto'|'xla'|'pallas'|...``; ``select.select_impl`` is the one rule behind 'auto'
 (per op, backend, shapes and dtype; it never picks a kernel that does not lower there). All of
 them compute the softmax and accumulate in float32 whatever the input dtype, and return zeros
-for a query row that sees no key. This package imports only jax/numpy.
+for a query row that sees no key. This package imports only jax/numpy. paged_decode_attention
+also takes a per-token key mask and can return the log-sum-exp, so calls over disjoint key sets
+(a float and an int8 page pool) merge exactly (``combine_attention``).
 
 The 'pallas' kernels are generic Pallas: ``interpret=True`` runs them on CPU; on GPU they select
 the Triton lowering (power-of-two tiles). paged_decode_attention and block_sparse_attention also

@@ -30,9 +30,11 @@ D layers pass the pool as is; F layers score blocks (on the gathered live keys w
 ``select_blocks``, or on the stored block means with ``sparse_gather``), then view the pool as
 pages of ``sparse_block_size`` tokens and give the kernel, per KV head, a block table of the
 selected blocks in ascending order (every selected block but the query's own is complete, so
-they form one contiguous virtual sequence). Not used with ``meta['keep']`` (eviction), a
-``mass`` accumulator (the kernel returns no probabilities) or an int8 pool; the numbers equal
-the chunk path's up to float reduction order (not bitwise, hence never under parity policies).
+they form one contiguous virtual sequence). ``meta['keep']`` becomes the kernel's key mask; an
+int8 pool is read by a second kernel call merged by log-sum-exp (``model.paged_attention``).
+Not used with a ``mass`` accumulator (the kernel returns no probabilities) or sinks; the
+numbers equal the chunk path's up to float reduction order (not bitwise, hence never under
+parity policies).
 
 Sparse full attention (F): blocks are chosen by ``model.select.select_blocks`` (mean-pooled
 keys, top-k, own block kept). With ``ModelConfig.sparse_gather`` the chunked path keeps the

@@ -11,9 +11,13 @@ groups' pools as one flat pool), K kv heads, N query heads, H head dim, M gather
   3. with ``sparse_gather`` (F layers) the means of the key blocks the chunk writes are updated
      (``model.sparse_blocks``);
   4. attention, one of
-     * the decode kernel (``decode_kernel``, one row, no eviction mask, no attention-mass
-       accumulator, no int8 pool, no sinks): D layers over the live pages, F layers over their
-       selected blocks (``model.paged._sparse_decode``);
+     * the decode kernel (``decode_kernel``, one row): D layers over the live pages, F layers
+       over their selected blocks (``model.paged._sparse_decode``). With an int8 pool, one
+       call on the float pool and one on the int8 pool (its scales), each with a per-token key
+       mask of the pages it holds, merged by log-sum-exp (``model.paged.two_pool_decode``);
+       the eviction ``keep`` mask joins those key masks. Excluded (chunk path): the
+       attention-mass accumulator (the kernel returns no probabilities) and sink logits (the
+       kernel has no sink term);
      * gathered (F with ``sparse_gather``): only the selected blocks are read;
      * masked: the whole context is gathered and masked (F: to its selected blocks).
 F layers select blocks with ``select_blocks`` over the gathered keys, or with ``sparse_gather``
