@@ -61,6 +61,8 @@ class MeshConfig:
     Attributes:
       data, fsdp, expert, tensor: axis sizes (their product must equal the device count).
       rules: logical-axis rules as ``((logical, mesh_axis_or_None_or_tuple), ...)``.
+      devices: how many devices the run uses: -1 every device (every process's), N the first N
+        of ``jax.devices()`` (one-process runs; N=1 runs on the default device, unsharded).
     """
 
     data: int = -1
@@ -68,6 +70,26 @@ class MeshConfig:
     expert: int = 1
     tensor: int = 1
     rules: tuple = DEFAULT_RULES
+    devices: int = -1
+
+    def pick(self, devices: list) -> list:
+        """The first ``devices`` of ``devices`` (all of them for -1).
+
+        Raises:
+          ValueError: ``devices`` is 0, below -1, or more than there are; or a subset is asked
+            of a multi-process run (every process's devices take part there).
+        """
+        n = self.devices
+        if not isinstance(n, int) or n == 0 or n < -1 or n > len(devices):
+            raise ValueError(
+                f"MeshConfig.devices={n!r} must be -1 (all) or 1..{len(devices)} (the devices)"
+            )
+        if n not in (-1, len(devices)) and jax.process_count() > 1:
+            raise ValueError(
+                f"MeshConfig.devices={n} on a {jax.process_count()}-process run: every process's "
+                "devices take part (-1)"
+            )
+        return list(devices) if n == -1 else list(devices)[:n]
 
     def shape(self, n_devices: int) -> dict[str, int]:
         """Resolves ``-1`` and validates the product against ``n_devices``.

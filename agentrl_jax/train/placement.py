@@ -60,7 +60,8 @@ class Placement:
     Args:
       mesh_cfg: the experiment's ``mesh`` section.
       model_cfg, policy: the model whose parameters are placed.
-      devices: the devices of the mesh (default ``jax.devices()``, every process's).
+      devices: the devices of the mesh (default: ``mesh_cfg.pick(jax.devices())``, every
+        process's unless ``mesh.devices`` names fewer).
 
     Raises:
       ValueError: the mesh cannot use the devices (``MeshConfig.shape``).
@@ -71,7 +72,7 @@ class Placement:
     ):
         self.cfg, self.model_cfg, self.policy = mesh_cfg, model_cfg, policy
         self.multi_process = devices is None and jax.process_count() > 1
-        devices = list(jax.devices() if devices is None else devices)
+        devices = list(mesh_cfg.pick(jax.devices()) if devices is None else devices)
         self.sharded = len(devices) > 1 or self.multi_process
         self.mesh = make_mesh(mesh_cfg, devices) if self.sharded else None
         self.local_mesh = self.mesh

@@ -46,7 +46,8 @@ def test_sections_come_from_the_hf_directory(family):
 
 @pytest.mark.slow
 def test_qwen3_smoke_runs_the_main_job(tmp_path):
-    cfg = load_config(_smoke("qwen3"), [f"workdir={tmp_path}", "train.eval_before=False"])
+    over = [f"workdir={tmp_path}", "train.eval_before=False", "mesh.devices=1"]  # one device
+    cfg = load_config(_smoke("qwen3"), over)
     summary = run(cfg, progress=False)
     assert summary["nonfinite_steps"] == 0 and summary["rl_steps"] == 1
     lines = [json.loads(x) for x in open(os.path.join(summary["run_dir"], "metrics.jsonl"))]

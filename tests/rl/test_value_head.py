@@ -127,7 +127,7 @@ def test_update_fits_the_critic():
 def test_rl_with_a_critic_from_a_checkpoint_without_one(tmp_path):
     """PPO with GAE and a learned critic: RL starts from params saved without a value head (as
     an SFT checkpoint is), adds a fresh one and trains it; value metrics are logged."""
-    base = load_config(SMOKE, [f"workdir={tmp_path}"])
+    base = load_config(SMOKE, [f"workdir={tmp_path}", "mesh.devices=1"])  # one device
     model = Transformer(ModelConfig(**base.model.to_dict()), get_policy(base.policy))
     sft = init_params(model, jax.random.key(5))
     src = stage_dir(str(tmp_path / "src"), "sft")
@@ -143,6 +143,7 @@ def test_rl_with_a_critic_from_a_checkpoint_without_one(tmp_path):
         "model.value_head=shared",
         "rl.loss.vf_coef=0.5",
         "rl.loss.vf_clip=0.2",
+        "mesh.devices=1",
     ]
     summary = run(load_config(SMOKE, sets), progress=False)
     lines = [json.loads(x) for x in open(os.path.join(summary["run_dir"], "metrics.jsonl"))]

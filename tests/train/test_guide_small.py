@@ -17,7 +17,7 @@ GUIDE = os.path.join(ROOT, "experiments", "guide_small.py") + ":smoke=True"
 
 @pytest.mark.slow  # ~70 CPU-s: SFT, two evaluations and an RL step of a 4-layer MoE compile
 def test_guide_small_smoke_sft_then_rl_with_parity_zero(tmp_path):
-    cfg = load_config(GUIDE, [f"workdir={tmp_path}", "train.rl_steps=1"])
+    cfg = load_config(GUIDE, [f"workdir={tmp_path}", "train.rl_steps=1", "mesh.devices=1"])
     assert cfg.model.sparse_gather and cfg.rollout.record_blocks and cfg.rollout.eviction_int8
     summary = run(cfg, progress=False)
     assert summary["nonfinite_steps"] == 0 and summary["rl_steps"] == 1

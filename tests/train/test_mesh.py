@@ -74,6 +74,19 @@ def test_mesh_shape_rules():
         MeshConfig(data=2, fsdp=2).shape(8)
 
 
+def test_mesh_devices_picks_the_first_n():
+    devices = jax.devices()
+    assert MeshConfig().pick(devices) == devices
+    assert MeshConfig(devices=2).pick(devices) == devices[:2]
+    for bad in (0, -2, len(devices) + 1):
+        with pytest.raises(ValueError, match=f"MeshConfig.devices={bad}"):
+            MeshConfig(devices=bad).pick(devices)
+    one = Placement(MeshConfig(devices=1), CFG, POLICY)
+    assert not one.sharded and one.mesh is None
+    four = Placement(MeshConfig(fsdp=-1, devices=4), CFG, POLICY)
+    assert four.mesh.shape == dict(data=1, fsdp=4, expert=1, tensor=1)
+
+
 def test_fit_spec_keeps_axes_that_divide():
     sizes = dict(data=2, fsdp=4, expert=1, tensor=2)
     assert fit_spec(P(("data", "fsdp")), (8,), sizes) == P(("data", "fsdp"))

@@ -21,6 +21,9 @@ from agentrl_jax.train.stages import stored_sft_eval
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
+# End-to-end runs on one device: the 8 fake devices are the mesh tests' (an 8-way run costs
+# 2-3x the CPU time and memory of a one-device run on 2 cores).
+ONE_DEVICE = "mesh.devices=1"
 
 
 def _rl_run(cfg, run_dir, params, *, resume=False) -> RLRun:
@@ -28,7 +31,7 @@ def _rl_run(cfg, run_dir, params, *, resume=False) -> RLRun:
 
 
 def test_main_job_smoke(tmp_path):
-    cfg = load_config(SMOKE, [f"workdir={tmp_path}", "train.eval_every=1"])
+    cfg = load_config(SMOKE, [f"workdir={tmp_path}", "train.eval_every=1", ONE_DEVICE])
     summary = run(cfg, progress=False)
     for key in (
         "heldout_success_before_rl",
@@ -76,6 +79,7 @@ def test_main_job_smoke(tmp_path):
         SMOKE,
         [
             f"workdir={tmp_path / 'second'}",
+            ONE_DEVICE,
             "train.sft=False",
             f"train.init_from={run_dir}",
             "train.eval_before=False",

@@ -28,7 +28,8 @@ from agentrl_jax.train.main import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
-FAST = ["train.sft=False", "train.eval_before=False", "eval.modes=('greedy',)"]
+# one device: the 8 fake devices are the mesh tests' (an 8-way run costs 2-3x the CPU time)
+FAST = ["train.sft=False", "train.eval_before=False", "eval.modes=('greedy',)", "mesh.devices=1"]
 
 
 # ---------------------------------------------------------------------------------- checksums
@@ -66,12 +67,15 @@ def _tree(seed):
     }
 
 
+def _opt(seed):
+    """An optimiser state far smaller than the params: the data file's middle is params bytes."""
+    return {"m": jnp.asarray(np.random.default_rng(seed).standard_normal(4), jnp.float32)}
+
+
 def _save_two(directory):
     with Checkpointer(directory) as ck:
         for step in (1, 2):
-            ck.save(
-                step, params=_tree(step), opt_state={"m": _tree(10 + step)}, rng=jax.random.key(0)
-            )
+            ck.save(step, params=_tree(step), opt_state=_opt(10 + step), rng=jax.random.key(0))
 
 
 def _biggest_data_file(step_dir):
@@ -123,12 +127,12 @@ def test_unusable_checkpoint_falls_back_to_the_newest_intact_step(
         restore_params(os.path.join(stage, "2"), template)  # that step asked for: no fallback
     # a resume: restored from step 1, step 2 set aside (not deleted) and written again
     with Checkpointer(stage, resume=True) as ck:
-        out = ck.restore(params=template, opt_state={"m": template}, set_aside=True)
+        out = ck.restore(params=template, opt_state=_opt(0), set_aside=True)
         assert out["step"] == 1 and [s for s, _ in out["unusable"]] == [2]
-        for a, b in zip(jax.tree.leaves(out["opt_state"]), jax.tree.leaves({"m": _tree(11)})):
+        for a, b in zip(jax.tree.leaves(out["opt_state"]), jax.tree.leaves(_opt(11))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert ck.all_steps() == [1]
-        ck.save(2, params=_tree(2), opt_state={"m": _tree(12)}, rng=jax.random.key(0))
+        ck.save(2, params=_tree(2), opt_state=_opt(12), rng=jax.random.key(0))
     assert os.listdir(os.path.join(tmp_path, "checkpoints", "unusable")) == ["rl-2"]
     assert restore_params(stage, template)[1] == 2
 
@@ -143,7 +147,7 @@ def test_no_intact_checkpoint_or_another_config_is_one_error_and_moves_nothing(t
         _flip_byte(os.path.join(stage, str(s)))
     with Checkpointer(stage, resume=True) as ck:
         with pytest.raises(ValueError, match="no intact checkpoint.*step 2: .*; step 1: "):
-            ck.restore(params=_tree(0), opt_state={"m": _tree(0)}, set_aside=True)
+            ck.restore(params=_tree(0), opt_state=_opt(0), set_aside=True)
     assert sorted(os.listdir(stage)) == ["1", "2"]
 
 

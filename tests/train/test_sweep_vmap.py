@@ -44,6 +44,7 @@ def get_config(arg=None):
     cfg = load_module({sweep_lr!r}).get_config("smoke=True,vmap=True")
     cfg.name = "vmap_toy"
     cfg.workdir = {workdir!r}
+    cfg.mesh.devices = 1  # the test process's 8 fake devices are the mesh tests'
     cfg.train.eval_before = True
     # the smoke agent earns no reward: an entropy bonus gives every step a gradient
     cfg.rl.loss.entropy_coef = 0.01

@@ -22,6 +22,7 @@ def test_pyrepair_sft_rl_smoke(tmp_path):
             "train.eval_before=False",
             "eval.n_episodes=1",
             "eval.modes=('greedy',)",
+            "mesh.devices=1",  # one device: the 8 fake devices are the mesh tests'
         ],
     )
     summary = run(cfg, progress=False)
