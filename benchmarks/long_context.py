@@ -43,6 +43,7 @@ Usage: python benchmarks/long_context.py [--contexts 8192,32768] [--parts kv,dec
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import random
@@ -56,6 +57,9 @@ from common import Timing, bench_model, env_fields
 
 from agentrl_jax.envs.base import StepResult
 from agentrl_jax.envs.coderepair import CodeTokenizer
+from agentrl_jax.model.paged import Int8Pool, int8_page_update, read_tokens
+from agentrl_jax.model.paged_attention import INT8_KEYS
+from agentrl_jax.model.sparse_blocks import update_block_means
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rollout.agent_loop import run_episodes
@@ -186,44 +190,216 @@ def compressed_state(sampler, n: int, obs: int):
     return state, int(np.sum(int8_at < n)), int(np.sum(evict_at < n))
 
 
-def decode_lines(context, args, params):
+def _live_tokens(pool: jax.Array, tables: jax.Array, n: int) -> jax.Array:
+    """Slot 0's first ``n`` tokens of one group's pool [P, L, K, H] -> [n, K, H]."""
+    return pool[jnp.maximum(tables[0], 0)].reshape(-1, *pool.shape[2:])[:n]
+
+
+def kv_stats(model, params, n: int = 1024) -> dict:
+    """``stored_stats`` after a real prefill of ``n`` random tokens (one slot), for
+    ``random_fill``."""
+    sampler = Sampler(model, sampling(n))
+    state = sampler.init_state(1)
+    toks = np.asarray(jax.random.randint(jax.random.key(4), (1, n), 20, 400))
+    state, _ = sampler.prefill(params, state, toks, np.full(1, n, np.int32))
+    return stored_stats(state, model.cfg.layer_pattern)
+
+
+def stored_stats(state, pattern: str) -> dict:
+    """Mean and std of what slot 0 of ``state`` stores.
+
+    Returns ``{layer name: {'k' | 'v': (mean, std) float64 [G] per pattern group}}`` over the
+    stored keys and values (S layers: the ring; paged layers: the first ``lengths[0]``
+    positions) and ``{'logits': (mean, std)}`` of its next-token logits.
+    """
+    n, tables, out = int(state.cache["lengths"][0]), state.cache["block_tables"], {}
+    for name, layer in state.cache["layers"].items():
+        out[name] = {}
+        for key in ("k", "v"):
+            x = layer[key][:, :1]  # [G, 1, W, K, H] ring, or [G, P, L, K, H] pool
+            if pattern[int(name[6:])] != "S":
+                x = jnp.stack([_live_tokens(pool, tables, n) for pool in layer[key]])
+            x = np.asarray(x, np.float64).reshape(x.shape[0], -1)
+            out[name][key] = (x.mean(axis=1), x.std(axis=1))
+    logits = np.asarray(state.logits[0], np.float64)
+    out["logits"] = (logits.mean(), logits.std())
+    return out
+
+
+def _normal(key, shape, mean_std, dtype) -> jax.Array:
+    mean, std = mean_std
+    return (jax.random.normal(key, shape, jnp.float32) * std + mean).astype(dtype)
+
+
+def _block_means(kmean, pool, tables, lengths, cfg) -> jax.Array:
+    """f32 [B, J, K, H]: every block's mean of the keys stored in ``pool`` [P, L, K, H] below
+    ``lengths`` (``update_block_means`` over one row per block)."""
+    bs, kh = cfg.sparse_block_size, pool.shape[2]
+    b, s = tables.shape[0], tables.shape[1] * pool.shape[1]
+    starts = jnp.broadcast_to(jnp.arange(0, s, bs)[None, :], (b, s // bs))
+    heads = jnp.arange(kh)[None, None, :]
+
+    def read_keys(pos):  # [B, X] -> [B, X, K, H]
+        return read_tokens(pool, tables, pos[:, :, None], heads)
+
+    return update_block_means(kmean, read_keys, starts, starts < lengths[:, None], lengths, bs)
+
+
+def _fill_paged(layer, key, stats, tables, state, lengths, cfg):
+    """One paged layer's groups: random live tokens written through the block tables, the
+    recorded int8 decisions applied (codes and scales in the int8 pool), block means."""
+    out = {name: [] for name in layer}
+    n_pages, page, kh, h = layer["k"].shape[1:]
+    s = tables.shape[1] * page
+    pos = jnp.arange(s)[None, :]
+    dst = jnp.where(pos < lengths[:, None], jnp.repeat(tables, page, axis=1), n_pages)
+    dst = jnp.where(dst >= 0, dst, n_pages)  # no page or past the length: dropped
+    for g in range(layer["k"].shape[0]):
+        pools = []
+        for i, name in enumerate(("k", "v")):
+            x = _normal(
+                jax.random.fold_in(key, 2 * g + i), (tables.shape[0], s, kh, h),
+                (stats[name][0][g], stats[name][1][g]), layer[name].dtype,
+            )  # fmt: skip
+            pools.append(layer[name][g].at[dst, pos % page].set(x, mode="drop"))
+        if "k8" in layer:
+            pool8 = Int8Pool(*(layer[k][g] for k in INT8_KEYS), tables=state.cache["int8_tables"])
+            *pools, pool8 = int8_page_update(
+                *pools, tables, state.int8_at, jnp.zeros_like(lengths), lengths, pool8
+            )
+            for k, a in zip(INT8_KEYS, pool8[:4], strict=True):
+                out[k].append(a)
+        out["k"].append(pools[0])
+        out["v"].append(pools[1])
+        if "kmean" in layer:  # the means of the stored keys, as the cached path keeps them
+            out["kmean"].append(_block_means(layer["kmean"][g], pools[0], tables, lengths, cfg))
+    return {name: jnp.stack(arrays) for name, arrays in out.items()}
+
+
+def random_fill(sampler, state, n: int, stats: dict, key: jax.Array):
+    """``state`` (empty slots, ``compressed_state`` decisions kept) as if every slot had been
+    prefilled with ``n`` tokens, without running the model: random K/V at the magnitudes of a
+    real prefill (``kv_stats``).
+
+    Filled: ``lengths`` (n), the S rings (their first ``min(n, W)`` slots), the paged pools'
+    first ``n`` positions through the block tables, the int8 pool (the recorded decisions in
+    effect by ``n`` applied by ``model.paged.int8_page_update``: codes and scales of the pages
+    that are all int8, their float pages fake-quantised), the F layers' block means of the
+    stored keys (``model.sparse_blocks.update_block_means``) and the next-token logits. Decode
+    then does exactly the work it does after a prefill: same shapes, live pages, visible and
+    selected block counts, int8 pages and eviction mask; only the values differ, which decode
+    cost does not depend on.
+
+    Args:
+      sampler: the Sampler that made ``state`` (its model config).
+      state: a DecodeState with ``lengths`` 0.
+      n: tokens per slot (<= ``max_len``).
+      stats: ``kv_stats`` of the model.
+      key: PRNG key.
+
+    Returns:
+      The filled DecodeState.
+
+    Raises:
+      ValueError: ``n`` outside [1, max_len].
+    """
+    if not 0 < n <= sampler.cfg.max_len:
+        raise ValueError(f"random_fill n={n} must be in [1, max_len={sampler.cfg.max_len}]")
+    return _random_fill(sampler.model.cfg, state, jnp.int32(n), stats, key)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _random_fill(cfg, state, n, stats, key):
+    cache = state.cache
+    tables, (key, logit_key) = cache["block_tables"], jax.random.split(key)
+    lengths = jnp.full(tables.shape[:1], n, jnp.int32)
+    layers = {}
+    for name, layer in cache["layers"].items():
+        i = int(name[6:])
+        kind, lkey = cfg.layer_pattern[i], jax.random.fold_in(key, i)
+        if kind != "S":
+            layers[name] = _fill_paged(layer, lkey, stats[name], tables, state, lengths, cfg)
+            continue
+        live = jnp.arange(layer["k"].shape[2])[None, None, :, None, None] < n
+        layers[name] = {}
+        for j, kv in enumerate(("k", "v")):
+            mean, std = (jnp.asarray(a, jnp.float32)[:, None, None, None, None]
+                         for a in stats[name][kv])  # fmt: skip
+            x = jax.random.normal(jax.random.fold_in(lkey, j), layer[kv].shape) * std + mean
+            layers[name][kv] = jnp.where(live, x, 0).astype(layer[kv].dtype)
+    logits = _normal(logit_key, state.logits.shape, stats["logits"], jnp.float32)
+    cache = {**cache, "layers": layers, "lengths": lengths}
+    return state._replace(cache=cache, logits=logits)
+
+
+def decode_lines(context, args, params, stats=None):
     for kv in args.decode_kv.split(","):
         if kv not in ("dense", "int8+evict"):
             raise ValueError(f"--decode-kv {kv!r}; allowed: dense, int8+evict")
-        yield from _decode_lines(context, args, params, kv)
+        for fill in args.decode_fill.split(","):
+            yield from _decode_lines(context, args, params, kv, fill, stats)
 
 
-def _decode_lines(context, args, params, kv):
-    rates, counts = {}, {}
+def decode_start(sampler, params, n, kv, fill, obs, stats=None):
+    """One slot holding ``n`` tokens of context, ready to decode.
+
+    Args:
+      sampler: the decode sampler (its model and ``max_len``).
+      params: model parameters.
+      n: context tokens.
+      kv: 'dense' or 'int8+evict' (``compressed_state``).
+      fill: 'prefill' (the model run over ``n`` random tokens) or 'random' (``random_fill``
+        with ``stats``).
+      obs: tokens per tool output (the int8 / eviction spans).
+      stats: ``kv_stats`` of the model (fill 'random').
+
+    Returns:
+      (state, {int8_tokens, evicted_tokens} or {}, seconds to build the state).
+
+    Raises:
+      ValueError: ``fill`` unknown, or 'random' without ``stats``.
+    """
+    if fill not in ("prefill", "random") or (fill == "random" and stats is None):
+        raise ValueError(f"--decode-fill {fill!r}; allowed: prefill, random (with kv_stats)")
+    counts = {}
+    if kv == "dense":
+        state = sampler.init_state(1)
+    else:
+        state, *int8_evicted = compressed_state(sampler, n, obs)
+        counts = dict(zip(("int8_tokens", "evicted_tokens"), int8_evicted, strict=True))
+    t0 = time.perf_counter()
+    if fill == "prefill":
+        toks = np.asarray(jax.random.randint(jax.random.key(3), (1, n), 20, 400))
+        state, _ = sampler.prefill(params, state, toks, np.full(1, n, np.int32))
+    else:
+        state = random_fill(sampler, state, n, stats, jax.random.key(3))
+    jax.block_until_ready(state)
+    return state, counts, time.perf_counter() - t0
+
+
+def _decode_lines(context, args, params, kv, fill, stats):
+    rates = {}
+    n = context - (args.reps + 1) * args.new
     for mode, gather in (("masked", False), ("gather", True)):
         model = Transformer(MODEL.replace(sparse_gather=gather), get_policy("fp32"))
         for kernel in (False, True):
             cfg = sampling(context, decode_kernel=kernel, stop_tokens=(-1,))
             sampler = Sampler(model, cfg)
-            if not kernel:  # prefill once per model; the kernel path decodes from a copy
-                n = context - (args.reps + 1) * args.new
-                if kv == "dense":
-                    state = sampler.init_state(1)
-                else:
-                    state, *int8_evicted = compressed_state(sampler, n, args.obs)
-                    counts = dict(zip(("int8_tokens", "evicted_tokens"), int8_evicted))
-                toks = np.asarray(jax.random.randint(jax.random.key(3), (1, n), 20, 400))
-                t0 = time.perf_counter()
-                state, _ = sampler.prefill(params, state, toks, np.full(1, n, np.int32))
-                jax.block_until_ready(state.logits)
-                prefill_s = time.perf_counter() - t0
+            if not kernel:  # one start state per model; the kernel path decodes from a copy
+                state, counts, setup_s = decode_start(sampler, params, n, kv, fill, args.obs, stats)
             start = jax.tree.map(lambda a: a.copy(), state)
             t = decode_rate(sampler, params, start, args.new, args.reps)
             rates[mode, kernel] = args.new / (t.median_ms / 1e3)
-            kv_tag = "" if kv == "dense" else f"{kv}/"
+            tags = ("" if fill == "prefill" else "random/") + ("" if kv == "dense" else f"{kv}/")
             line = dict(
-                bench="long_context", variant=f"decode/{kv_tag}{mode}/"
+                bench="long_context", variant=f"decode/{tags}{mode}/"
                 f"{'kernel' if kernel else 'chunk'}/{context}", context=context, kv_option=kv,
                 policy="fp32", dtype="float32", sparse_read=mode, decode_kernel=kernel,
-                uses_decode_kernel=sampler.uses_decode_kernel(state), **counts,
-                decode_tokens_per_s=round(rates[mode, kernel], 2), **t.fields("decode_ms"),
-                new_tokens=args.new, topk_tokens=MODEL.sparse_topk_tokens,
-                block_size=MODEL.sparse_block_size, prefill_s=round(prefill_s, 1),
+                decode_fill=fill, uses_decode_kernel=sampler.uses_decode_kernel(state),
+                **counts, decode_tokens_per_s=round(rates[mode, kernel], 2),
+                **t.fields("decode_ms"), new_tokens=args.new, context_tokens=n,
+                topk_tokens=MODEL.sparse_topk_tokens, block_size=MODEL.sparse_block_size,
+                **{"prefill_s" if fill == "prefill" else "fill_s": round(setup_s, 1)},
             )  # fmt: skip
             if mode == "gather":
                 line["sparse_speedup_vs_dense"] = round(
@@ -277,12 +453,25 @@ def main(argv=None) -> None:
         "--decode-kv", default="dense,int8+evict",
         help="decode part's KV: dense and/or int8+evict (comma-separated)",
     )  # fmt: skip
+    ap.add_argument(
+        "--decode-fill", default="prefill",
+        help="decode part's starting context: prefill (the model over it) and/or random "
+        "(random K/V at a real prefill's magnitudes, no model run; comma-separated)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    for fill in args.decode_fill.split(","):
+        if fill not in ("prefill", "random"):
+            raise ValueError(f"--decode-fill {fill!r}; allowed: prefill, random")
     logging.basicConfig(stream=sys.stderr, level=logging.INFO)
-    params = init_params(Transformer(MODEL, get_policy("fp32")), jax.random.key(0))
+    model = Transformer(MODEL, get_policy("fp32"))
+    params = init_params(model, jax.random.key(0))
     parts = args.parts.split(",")
+    stats = None
+    if "decode" in parts and "random" in args.decode_fill.split(","):
+        stats = kv_stats(model, params)
     for context in (int(c) for c in args.contexts.split(",")):
-        for part, fn in (("kv", kv_lines), ("decode", decode_lines)):
+        decode = functools.partial(decode_lines, stats=stats)
+        for part, fn in (("kv", kv_lines), ("decode", decode)):
             if part in parts:
                 for line in fn(context, args, params):
                     print(json.dumps({**line, **env_fields()}), flush=True)
