@@ -29,6 +29,15 @@ Parts (``--parts``), each at every ``--contexts`` size (tokens):
     tokens, alternately moved to int8 pages (the int8 pool, ``int8_tables``), evicted, and
     kept in float pages (recorded decisions taking effect at the span's end, no mass
     tracking), so the kernel path reads two pools merged by log-sum-exp with a key mask.
+    ``--decode-fill``: the slot's context comes from ``prefill`` (the model run over random
+    tokens; ``prefill_s``) and/or ``random`` (``random_fill``, ``fill_s``; variants
+    ``decode/random/...``): normal K/V at the per-layer mean and std of a real 1k-token
+    prefill (``kv_stats``) written into the pools and rings, the recorded int8 decisions
+    applied (int8 codes and scales), the F layer's block means of the stored keys, the
+    lengths. Decode cost does not depend on the values, and the shapes, live pages, visible and
+    selected block counts, int8 pages and eviction mask equal the prefilled ones, so both fills
+    time the same work; ``random`` skips the masked full-attention prefill, whose cost grows
+    with the square of the context. Every decode line carries ``decode_fill``.
   * ``parity``: ``--parity-contexts``: one episode under ``fp32-parity`` with the gather model,
     int8 + eviction and recorded blocks; ``max_abs_dlogp`` of the trainer's chunked pass against
     the rollout's logprobs (action tokens), replaying the KV masks and the blocks
@@ -38,6 +47,7 @@ Parts (``--parts``), each at every ``--contexts`` size (tokens):
 
 Usage: python benchmarks/long_context.py [--contexts 8192,32768] [--parts kv,decode,parity]
        [--reps 5] [--parity-contexts 8192] [--decode-kv dense,int8+evict]
+       [--decode-fill prefill,random]
 """
 
 from __future__ import annotations
@@ -333,6 +343,8 @@ def _random_fill(cfg, state, n, stats, key):
 
 
 def decode_lines(context, args, params, stats=None):
+    """The decode part's lines at ``context`` for each ``--decode-kv`` and ``--decode-fill``
+    (``stats``: ``kv_stats``, needed by the random fill)."""
     for kv in args.decode_kv.split(","):
         if kv not in ("dense", "int8+evict"):
             raise ValueError(f"--decode-kv {kv!r}; allowed: dense, int8+evict")
