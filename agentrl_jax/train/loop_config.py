@@ -58,10 +58,14 @@ class TrainConfig:
         with its own rollout logprobs and routes. On-policy rejection sampling on the tasks
         the group alone failed: the rare success gets the group's positive advantage.
       guide_samples: extra samples per all-failed group for ``guide_source="policy"``.
-      env_workers: with ``rl.max_staleness`` > 0, threads that run environment steps (tool
-        calls) while the model decodes (``train/rollout_worker.py``; >= 1); the observations
-        are recorded once this many calls are pending or no slot can decode. The synchronous
-        loop steps its environments on the loop's thread, as it always has.
+      env_workers: threads that run environment steps (tool calls; >= 1). With
+        ``rl.max_staleness`` > 0 (or ``overlap_env``) they run while the model decodes
+        (``train/rollout_worker.py``); the observations are recorded once this many calls are
+        pending or no slot can decode. The synchronous loop steps the environments of a round
+        (every slot whose turn ended) at once on this many threads and waits for them: the
+        same observations as one call after another (each environment steps alone; results
+        in order), in the time of the slowest call rather than their sum; 1 steps them on
+        the loop's thread.
       overlap_env: with ``rl.max_staleness`` = 0, play the rollouts through the asynchronous
         rollout side all the same: no staleness (batch ``b`` is rolled out by the parameters
         after ``b`` updates, the learner waits for it), but environment steps overlap the model

@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -188,6 +189,10 @@ class RLRun:
             self.state = self.placement.place_state(self.state, tx)
         if asynchronous:
             self.driver = AsyncDriver(self, versions)
+        # the synchronous loop steps a round's environments at once on a pool (same results:
+        # each environment steps alone and the results come back in order)
+        workers = 0 if asynchronous else s.train.env_workers
+        self._env_pool = ThreadPoolExecutor(workers, "env") if workers > 1 else None
 
     # checkpoints -------------------------------------------------------------------------------
     def save(self, step: int) -> None:
@@ -254,6 +259,8 @@ class RLRun:
         """Stops the asynchronous rollout side (if any) and closes the checkpointer."""
         if self.driver is not None:
             self.driver.close()
+        if self._env_pool is not None:
+            self._env_pool.shutdown(wait=True)
         self.ckpt.close()
 
     # one iteration -----------------------------------------------------------------------------
@@ -397,6 +404,7 @@ class RLRun:
                 key,
                 **{**opts, "group_ids": opts["group_ids"][lo:hi], "greedy": opts["greedy"][lo:hi]},
                 first_uid=lo,
+                env_executor=self._env_pool,
             )
 
         traj = play_sharded(play_block, len(episodes))

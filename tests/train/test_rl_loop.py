@@ -2,6 +2,7 @@
 
 import json
 import os
+import threading
 
 import jax
 import numpy as np
@@ -102,6 +103,36 @@ def test_main_job_smoke(tmp_path):
         assert stored_sft_eval(run_dir, load_config(SMOKE, other)) is None, other
     lines = [json.loads(x) for x in open(os.path.join(second["run_dir"], "metrics.jsonl"))]
     assert any(0.0 <= x.get("rl/greedy_member_success", -1) <= 1.0 for x in lines)
+
+
+def test_synchronous_loop_steps_a_rounds_environments_on_a_pool(tmp_path, monkeypatch):
+    """``train.env_workers`` > 1: the synchronous loop's tool calls run on the pool's threads,
+    and the step's parameters are bitwise those of one call after another on the loop's thread."""
+    names = []
+    cfg = load_config(SMOKE, ["train.sft=False", "train.eval_before=False"])
+    s = build(cfg)
+    env_cls = type(s.env.env(s.env.tokenizer()))
+    step = env_cls.step
+
+    def spy(self, action):
+        names.append(threading.current_thread().name)
+        return step(self, action)
+
+    monkeypatch.setattr(env_cls, "step", spy)
+    params = init_params(Transformer(s.model, s.policy), jax.random.key(0))
+    leaves, threads = {}, {}
+    for workers in (4, 1):
+        names.clear()
+        one = load_config(SMOKE, ["train.sft=False", f"train.env_workers={workers}"])
+        run_ = _rl_run(one, tmp_path / str(workers), params)
+        run_.step(0)
+        run_.close()
+        leaves[workers] = [np.asarray(x) for x in jax.tree.leaves(run_.state.params)]
+        threads[workers] = set(names)
+    assert threads[1] == {threading.main_thread().name}
+    assert threads[4] and all(n.startswith("env") for n in threads[4])
+    for x, y in zip(leaves[4], leaves[1], strict=True):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_resume_is_bitwise(tmp_path):
