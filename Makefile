@@ -12,10 +12,12 @@ TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 
 .PHONY: train test test-slow setup lint bench clean-venv
 
+# --no-compile: byte-compiling every installed module (torch's thousands) took about 40 s of a
+# one-minute install; Python compiles the modules it imports when it first imports them.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q --no-compile -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -261,7 +261,8 @@ def test_remat_same_loss_and_grads(remat):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
-@pytest.mark.parametrize("moe", [False, True])
+# the dense variant is in the slow tier (make test-slow): the MoE one runs the same loop
+@pytest.mark.parametrize("moe", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_unstacked_groups_equal_the_depth_scan(moe):
     """Two pattern groups as a loop over per-group parameters (``unstack_groups``): the same
     routes, and logits and cache within fp32 rounding (XLA fuses the unrolled groups otherwise
