@@ -281,24 +281,21 @@ def _kernel_dense(ch: _Chunk, n: int) -> jax.Array:
     q, lens, impl = ch.q[:, 0], ch.new_len, ch.policy.kernel_impl
     keep = None if ch.keep is None else ch.keep[:, : n * ch.page]
 
-    def attend_float(kv_mask, lse):
-        tables = ch.tables[:, :n]
-        return kernels.paged_decode_attention(
-            q, ch.k, ch.v, tables, lens, kv_mask=kv_mask, return_lse=lse, impl=impl
-        )
+    def attend(k, v, tables, scales):  # the kernel over one pool's first n pages
+        def call(kv_mask, lse):
+            return kernels.paged_decode_attention(
+                q, k, v, tables[:, :n], lens, k_scales=scales[0], v_scales=scales[1],
+                kv_mask=kv_mask, return_lse=lse, impl=impl,
+            )  # fmt: skip
 
+        return call
+
+    attend_float = attend(ch.k, ch.v, ch.tables, (None, None))
     if ch.int8 is None:
         return two_pool_decode(attend_float, None, keep, None)
     i8 = ch.int8
-
-    def attend_int8(kv_mask, lse):
-        return kernels.paged_decode_attention(
-            q, i8.k, i8.v, i8.tables[:, :n], lens, k_scales=i8.ks, v_scales=i8.vs,
-            kv_mask=kv_mask, return_lse=lse, impl=impl,
-        )  # fmt: skip
-
     use8 = jnp.repeat(ch.use8[:, :n], ch.page, axis=1)
-    return two_pool_decode(attend_float, attend_int8, keep, use8)
+    return two_pool_decode(attend_float, attend(i8.k, i8.v, i8.tables, (i8.ks, i8.vs)), keep, use8)
 
 
 def _kernel_sparse(ch: _Chunk, n_sel: int, replay: jax.Array | None):
