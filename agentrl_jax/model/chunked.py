@@ -217,7 +217,8 @@ def sequence_logprobs(
       tokens: int32 [B, T].
       policy: dtype policy (default ``model.policy``); parity policies take the chunked path.
       valid: bool [B, T] non-padding tokens (padding takes no MoE capacity; non-parity path,
-        the chunked path treats every row as the sampler did).
+        the chunked path treats every row as the sampler did). Either path routes padding
+        with the router, whatever ``replay_routes`` holds there.
       replay_routes: int32 [B, T, L, k] routes to force (routing replay), MoE only.
       evict_at: int32 [B, T] recorded KV evictions to replay (parity policies only).
       int8_at: int32 [B, T] recorded int8 KV decisions to replay (parity policies only).
@@ -238,6 +239,12 @@ def sequence_logprobs(
     model = with_policy(model, policy)
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise ValueError(f"tokens must be [B, T] with T >= 2, got shape {tokens.shape}")
+    if replay_routes is not None and valid is not None:
+        # Padding is routed by the router (distinct experts), never by a stored route: a padded
+        # route such as [0, 0] would force one expert twice per token, overflow its dropless
+        # capacity in the chunked path (where every row takes capacity) and drop other rows'
+        # pairs, which the sampler never did.
+        replay_routes = jnp.where(valid.astype(bool)[:, :, None, None], replay_routes, -1)
     if model.policy.parity:
         spec = as_chunk_spec(chunk_spec)
         if spec is None:

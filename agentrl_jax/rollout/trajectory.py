@@ -352,7 +352,7 @@ def select_rows(traj: Trajectory, idx) -> Rows:
 
 
 def _pad_value(key: str, a: np.ndarray):
-    if key in ("turn_ids", "policy_versions"):
+    if key in ("turn_ids", "policy_versions", "routes"):  # routes: -1 = the router's own
         return -1
     if key.startswith("kv_") and a.dtype == np.int32:
         return NEVER
@@ -363,8 +363,8 @@ def _pad_value(key: str, a: np.ndarray):
 
 def concat_rows(parts: list[Rows], length: int) -> Rows:
     """Concatenates row dicts along the batch, padding time to ``length`` (``turn_ids``,
-    ``sparse_blocks`` and ``policy_versions`` with -1, the int32 KV marks with ``NEVER``,
-    everything else with 0).
+    ``routes`` (the router's own under replay), ``sparse_blocks`` and ``policy_versions`` with
+    -1, the int32 KV marks with ``NEVER``, everything else with 0).
 
     Raises:
       ValueError: a part longer than ``length``.

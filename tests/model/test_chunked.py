@@ -79,3 +79,33 @@ def test_chunked_logits_is_forward_chunked_and_parity_needs_a_spec():
         chunked_logits(model, params, toks[:, :10], spec)
     with pytest.raises(ValueError, match="chunk_spec"):
         sequence_logprobs(model, params, toks)
+
+
+@pytest.mark.parametrize("policy", ["fp32-parity", "fp32"])
+def test_padding_routes_never_take_other_rows_experts(policy):
+    """A stored route of padding (e.g. [0, 0], one expert twice) is not replayed: replayed, it
+    overflows that expert's dropless capacity in the chunked path, where every row takes
+    capacity, and drops the pairs of a longer row that comes after it."""
+    cfg = CFG.replace(layer_pattern="DD", n_experts=4, experts_per_token=2, d_expert=16)
+    model = Transformer(cfg, get_policy(policy))
+    params = init_params(model, jax.random.key(0))
+    b, t = 4, 16
+    toks = jax.random.randint(jax.random.key(1), (b, t), 0, 64)
+    valid = jnp.arange(t)[None, :] < jnp.array([4, 4, 4, t])[:, None]  # rows 0-2 end early
+    routes = jax.random.randint(jax.random.key(2), (b, t, 2, 1), 1, 4)
+    routes = jnp.concatenate([routes, jnp.zeros_like(routes)], axis=-1)  # [e, 0], e in 1..3
+    stored = jnp.where(valid[:, :, None, None], routes, 0)  # padding stored as [0, 0]
+    routed = jnp.where(valid[:, :, None, None], routes, -1)  # padding left to the router
+    spec = ChunkSpec(chunk=4, page_size=4, max_len=t)
+
+    def logp(r):
+        f = lambda p: sequence_logprobs(  # noqa: E731
+            model, p, toks, valid=valid, replay_routes=r, chunk_spec=spec, with_entropy=False
+        )
+        lp, _, extras = jax.jit(f)(params)
+        return np.asarray(lp), float(extras["dropped_fraction"])
+
+    got, dropped = logp(stored)
+    want, dropped_want = logp(routed)
+    assert dropped == dropped_want == 0.0
+    np.testing.assert_array_equal(got[3], want[3])

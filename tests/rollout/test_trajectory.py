@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from agentrl_jax.rollout.trajectory import history_state_ids
+from agentrl_jax.rollout.trajectory import NEVER, concat_rows, history_state_ids
 
 
 def _row(segments, length):
@@ -80,3 +80,21 @@ def test_episode_record_of_a_played_episode():
     np.testing.assert_allclose(traj.process_rewards[0], want, rtol=1e-6)
     assert traj.success[0] and traj.outcome_reward[0] == 1.0 and not traj.truncated[0]
     assert traj.group_ids[0] == 3 and (traj.rollout_logprobs[0] == 0).all()
+
+
+def test_concat_rows_pads_routes_for_the_router():
+    """Padded time steps get route -1 (the router's own top-k under replay), never expert 0
+    twice; turn ids -1, KV marks NEVER, tokens 0."""
+    rng = np.random.default_rng(0)
+    part = {
+        "tokens": rng.integers(1, 50, (2, 3)).astype(np.int32),
+        "turn_ids": np.zeros((2, 3), np.int32),
+        "routes": rng.integers(0, 4, (2, 3, 2, 2)).astype(np.int32),
+        "kv_evict_at": np.full((2, 3), 7, np.int32),
+    }
+    out = concat_rows([part, part], 5)
+    assert out["routes"].shape == (4, 5, 2, 2)
+    np.testing.assert_array_equal(out["routes"][:2, :3], part["routes"])
+    assert (out["routes"][:, 3:] == -1).all()
+    assert (out["turn_ids"][:, 3:] == -1).all() and (out["kv_evict_at"][:, 3:] == NEVER).all()
+    assert (out["tokens"][:, 3:] == 0).all()
