@@ -21,14 +21,17 @@ shard). Kept pairs are gathered into ``[E, C, D]`` buffers, each expert runs one
 over its ``C`` rows, and the outputs are gathered back and summed with the gates. Dropped pairs
 and padding rows (``valid == False``) contribute zero routed output and take no capacity.
 
-Expert parallelism: the mesh is the module's ``mesh`` attribute, or else the ambient one
-(``jax.set_mesh`` / ``agentrl_jax.sharding.activate``). When its ``expert`` axis has size > 1 the
-dispatch runs inside ``jax.shard_map``: tokens are split over the batch axes ``data, fsdp,
-expert``, experts over ``expert`` and the expert hidden dim over ``tensor`` (partial down
-projections are summed with ``psum``); ``all_to_all`` over ``expert`` sends each expert its
-``[C, D]`` rows from every shard and brings the outputs back. Capacity is per token shard, so
-with a finite capacity factor which pairs drop depends on the shard count; dropless results
-equal the one-device results up to float rounding.
+Under a mesh (the module's ``mesh`` attribute, or else the ambient one: ``jax.set_mesh`` /
+``agentrl_jax.sharding.activate``) whose batch axes ``data, fsdp, expert`` or ``expert`` axis
+have size > 1, the dispatch runs per token shard inside ``jax.shard_map``: tokens are split over
+those batch axes, the expert hidden dim over ``tensor`` (partial down projections are summed
+with ``psum``). With ``expert`` > 1 (expert parallelism) the experts are split over it and
+``all_to_all`` over ``expert`` sends each expert its ``[C, D]`` rows from every shard and brings
+the outputs back; otherwise each shard runs every expert on its own tokens. (A dispatch over
+the global token array instead sorts and gathers every token on every device: a data-parallel
+update ran 12x slower.) Capacity is per token shard, so with a finite capacity factor which
+pairs drop depends on the shard count; dropless results equal the one-device results up to
+float rounding.
 """
 
 from __future__ import annotations
@@ -321,7 +324,7 @@ class MoE(nn.Module):
             raise ValueError(f"MoE valid.shape={valid.shape} must be {(b, t)}")
         if replay_routes is not None and replay_routes.shape != (b, t, k):
             raise ValueError(f"MoE replay_routes.shape={replay_routes.shape} must be {(b, t, k)}")
-        mesh, token_axes, tp = self._layout(b * t)
+        mesh, token_axes, tp, ep = self._layout(b * t)
         w_router, w_gate, w_up, w_down, biases = self._expert_params()
         n = b * t
         xf = x.reshape(n, dm)
@@ -346,9 +349,16 @@ class MoE(nn.Module):
             cap = cfg.capacity(n // n_shards)
             tok, ex = P(token_axes), P(token_axes, None)
             fax = "tensor" if tp else None
+            eax = "expert" if ep else None
             fn = jax.shard_map(
                 lambda *a: dispatch_combine(
-                    *a, capacity=cap, policy=pol, cfg=cfg, expert_axis="expert", tensor_axis=fax
+                    *a,
+                    capacity=cap,
+                    policy=pol,
+                    cfg=cfg,
+                    expert_axis=eax,
+                    tensor_axis=fax,
+                    small_first=self.small_first,
                 ),
                 mesh=mesh,
                 in_specs=(
@@ -356,10 +366,10 @@ class MoE(nn.Module):
                     ex,
                     ex,
                     tok,
-                    P("expert", None, fax),
-                    P("expert", None, fax),
-                    P("expert", fax, None),
-                    *((P("expert", fax), P("expert", fax), P("expert", None)) if biases else ()),
+                    P(eax, None, fax),
+                    P(eax, None, fax),
+                    P(eax, fax, None),
+                    *((P(eax, fax), P(eax, fax), P(eax, None)) if biases else ()),
                 ),
                 out_specs=(ex, ex),
             )
@@ -376,18 +386,24 @@ class MoE(nn.Module):
         return y, routes.reshape(b, t, k), aux
 
     def _layout(self, n_tokens: int):
-        """``(mesh or None, token axes, tensor-parallel experts)`` of the expert dispatch.
+        """``(mesh or None, token axes, tensor-parallel experts, expert-parallel)`` of the
+        dispatch: a mesh whose token axes (``TOKEN_AXES``) or ``expert`` axis has size > 1
+        dispatches per token shard inside ``shard_map`` (a dispatch over the global token
+        array would sort and gather every token on every device); None on one device, or when
+        the tokens do not split evenly over the token axes and the experts are not split.
 
-        Raises ValueError when the experts, tokens or expert width do not divide the mesh.
+        Raises ValueError when the experts, tokens or expert width do not divide an
+        expert-parallel mesh.
         """
         cfg = self.cfg
         mesh = self.mesh if self.mesh is not None else _ambient_mesh()
         sizes = dict(mesh.shape) if mesh is not None else {}
-        if sizes.get("expert", 1) <= 1:
-            return None, (), False
-        token_axes = tuple(a for a in TOKEN_AXES if a in sizes)
+        token_axes = tuple(a for a in TOKEN_AXES if sizes.get(a, 1) > 1)
         n_token_shards = int(np.prod([sizes[a] for a in token_axes]))
-        if cfg.n_experts % sizes["expert"]:
+        ep = sizes.get("expert", 1) > 1
+        if not ep and (n_token_shards == 1 or n_tokens % n_token_shards):
+            return None, (), False, False
+        if ep and cfg.n_experts % sizes["expert"]:
             raise ValueError(
                 f"ModelConfig.n_experts={cfg.n_experts} must be a multiple of mesh "
                 f"expert={sizes['expert']}"
@@ -403,7 +419,7 @@ class MoE(nn.Module):
                 f"ModelConfig.d_expert={cfg.d_expert} must be a multiple of mesh "
                 f"tensor={sizes['tensor']}"
             )
-        return mesh, token_axes, tp
+        return mesh, token_axes, tp, ep
 
     def _expert_params(self):
         """Router ``[D, E]``, expert weights ``[E, D, F]`` x2 / ``[E, F, D]`` and the expert

@@ -13,10 +13,12 @@ import pytest
 from flax import linen as nn
 
 from agentrl_jax import sharding
+from agentrl_jax.model import moe as moe_module
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.moe import (
     MLP,
     MoE,
+    dispatch_combine,
     load_balance_loss,
     mlp_reference,
     moe_reference,
@@ -296,6 +298,29 @@ def test_expert_parallel_equals_one_device(mesh_cfg):
     # Same math per token; only the matmul shapes (hence blocking) and, with tensor=2, the psum
     # of two partial down projections reorder fp32 sums: a few ulps of outputs of size ~1.
     np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
+    for key in a1:
+        np.testing.assert_allclose(a8[key], a1[key], rtol=1e-6)
+
+
+@pytest.mark.parametrize("mesh_cfg", [dict(data=8), dict(data=2, fsdp=2, tensor=2)], ids=str)
+def test_data_parallel_mesh_dispatches_per_token_shard(mesh_cfg, monkeypatch):
+    """Without expert parallelism the dispatch still runs per token shard (``shard_map``): a
+    dispatch over the global tokens would sort and gather every token on every device."""
+    x, valid = _x(seed=5), jnp.asarray(VALID)
+    y1, r1, a1 = _apply(PARAMS, x, valid)
+    seen = []
+
+    def spy(x, *args, **kwargs):
+        seen.append((x.shape[0], kwargs["expert_axis"], kwargs["capacity"]))
+        return dispatch_combine(x, *args, **kwargs)
+
+    monkeypatch.setattr(moe_module, "dispatch_combine", spy)
+    mesh = sharding.make_mesh(sharding.MeshConfig(**mesh_cfg))
+    y8, r8, a8 = _apply(PARAMS, x, valid, mesh=mesh)
+    shards = mesh_cfg.get("data", 1) * mesh_cfg.get("fsdp", 1)
+    assert seen == [(B * T // shards, None, CFG.capacity(B * T // shards))]
+    np.testing.assert_array_equal(r8, r1)
+    np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)  # as in the expert-parallel test
     for key in a1:
         np.testing.assert_allclose(a8[key], a1[key], rtol=1e-6)
 
