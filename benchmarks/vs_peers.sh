@@ -9,13 +9,15 @@
 #     bench=vs_peers, variant rollout/<model>/b<batch>: new_tokens_per_s of rollout.py and of
 #       every peer, best_peer, ratio_vs_best_peer (goal >= 1.5);
 #     variant update/<model>/fp32: step_ms of update.py (DDDD, batch 8 x 192) and PyTorch's
-#       forward + backward + AdamW on the same shapes, ratio_vs_torch (goal <= 0.67).
+#       forward + backward + AdamW on the same shapes, ratio_vs_torch (goal <= 0.67);
+#     variant update/<model>/bf16: update.py --policy bf16 against update_baseline.py --dtype
+#       bf16 (PyTorch + transformers under CPU autocast, run with the peers' torch venv).
 #   Each shape runs its peers and the project back to back (Tunix, HF, project) so drift in
 #   the machine's load hits every row of a shape alike; the lines carry the load anyway.
 #   TORCH_THREADS (default 1) sets the PyTorch peer's threads (OMP_NUM_THREADS): on a loaded
 #   2-core machine torch's two OpenMP workers wait on each other at every op and its rows
 #   collapse (docs/results.md); on an idle machine try TORCH_THREADS=2 as well.
-# Takes 10-15 minutes on 2 cores; run it on an otherwise idle machine.
+# Takes 15-20 minutes on 2 cores; run it on an otherwise idle machine.
 set -euo pipefail
 PEERS_DIR=$(cd "${1:?usage: vs_peers.sh PEERS_DIR [RAW.jsonl]}" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -57,6 +59,12 @@ for M in dense moe; do
   # the generate part is short here; the line's fwd_bwd_adamw_ms is the train step
   OMP_NUM_THREADS=$TORCH_THREADS peer "$HF" hf_generate_bench.py --batch 8 --prompt 64 --new 8 "${flag[@]}"
   ours update.py --only "$M-DDDD" --iteration none --reps 5
+  echo ">> update $M bf16" >&2
+  # bf16: ours under the bf16 policy against the project's PyTorch baseline under CPU autocast
+  # (the peers' script has no bf16 train step); run with the peers' torch venv
+  OMP_NUM_THREADS=$TORCH_THREADS peer "$HF" "$ROOT/benchmarks/update_baseline.py" --models "$M" \
+    --dtype bf16 --threads "$TORCH_THREADS" --reps 5
+  ours update.py --only "$M-DDDD" --iteration none --reps 5 --policy bf16
 done
 
 "$PY" - "$RAW" <<'EOF'
@@ -91,13 +99,20 @@ for m in ("dense", "moe"):
         for s, r in peers.items():
             line[f"{s}_new_tokens_per_s"] = r["tokens_per_s"]
         print(json.dumps({**line, **env}))
-    ours = [r for r in rows if r.get("bench") == "update" and r["model"] == m]
-    torch = [r for r in rows if "fwd_bwd_adamw_ms" in r and peer_model(r) == m]
-    if ours and torch:
-        line = dict(bench="vs_peers", variant=f"update/{m}/{ours[-1]['policy']}",
-                    step_ms=ours[-1]["step_ms"], torch_step_ms=torch[-1]["fwd_bwd_adamw_ms"],
-                    ratio_vs_torch=round(ours[-1]["step_ms"] / torch[-1]["fwd_bwd_adamw_ms"], 3),
-                    goal_ratio=0.67,
-                    load_avg_1m_max=max(ours[-1]["load_avg_1m"], torch[-1]["load_avg_1m"]))
-        print(json.dumps({**line, **env}))
+    for policy in ("fp32", "bf16"):
+        ours = [r for r in rows if r.get("bench") == "update" and r["model"] == m
+                and r.get("policy", "fp32") == policy]
+        if policy == "fp32":  # the peers' own script: forward + backward + AdamW
+            torch = [(r, r["fwd_bwd_adamw_ms"]) for r in rows
+                     if "fwd_bwd_adamw_ms" in r and peer_model(r) == m]
+        else:  # update_baseline.py under CPU autocast
+            torch = [(r, r["step_ms"]) for r in rows if r.get("bench") == "update_baseline"
+                     and r.get("model") == m and r.get("policy") == "bf16" and "step_ms" in r]
+        if ours and torch:
+            t_row, t_ms = torch[-1]
+            line = dict(bench="vs_peers", variant=f"update/{m}/{policy}",
+                        step_ms=ours[-1]["step_ms"], torch_step_ms=t_ms,
+                        ratio_vs_torch=round(ours[-1]["step_ms"] / t_ms, 3), goal_ratio=0.67,
+                        load_avg_1m_max=max(ours[-1]["load_avg_1m"], t_row["load_avg_1m"]))
+            print(json.dumps({**line, **env}))
 EOF
