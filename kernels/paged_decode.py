@@ -131,6 +131,53 @@ def combine_attention(
     return out, jnp.where(seen, m_safe + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
 
 
+def compact_pages(
+    block_tables: jax.Array, visible: jax.Array, page_size: int, *, pad_id: int = 0
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Each row's pages holding a visible key, moved to the front in logical order.
+
+    Decode attention over the result (``block_tables=tables[..., :n]``, ``lengths``,
+    ``kv_mask=kv_mask[..., :n * page_size]`` for any ``n >= max(pages)``) equals attention over
+    the input table with ``kv_mask=visible``: the same keys, in the same order, but a kernel
+    visits only ``pages`` page slots (the Pallas kernels stop at ``lengths``; the XLA path
+    gathers ``n``). Pages with no visible key (another pool's, fully evicted, past the length)
+    are not visited. Positions in the compacted table are not logical positions: apply a
+    window to ``visible`` first and call the kernel without one.
+
+    Args:
+      block_tables: integer [..., J] page ids by logical page.
+      visible: bool [..., J * page_size] keys that may be attended, by logical position
+        (callers fold the sequence length and any window in).
+      page_size: tokens per page, >= 1.
+      pad_id: page id past the pages of a row that has none (a valid id; never read
+        unmasked). Rows with pages repeat their first one there: a padded slot that a kernel
+        still loads (the XLA path's bucket tail) holds a page the call reads anyway.
+
+    Returns:
+      (tables int32 [..., J], lengths int32 [...] = pages * page_size, kv_mask bool
+      [..., J * page_size], pages int32 [...]: page slots holding a visible key).
+
+    Raises:
+      ValueError: if ``visible`` is not bool [..., J * page_size] or page_size < 1.
+    """
+    if page_size < 1:
+        raise ValueError(f"{page_size=} must be >= 1")
+    j = block_tables.shape[-1]
+    want = (*block_tables.shape[:-1], j * page_size)
+    if visible.shape != want or visible.dtype != jnp.bool_:
+        raise ValueError(f"visible must be bool {want}; got {visible.shape=} {visible.dtype=}")
+    by_page = visible.reshape(*block_tables.shape, page_size)
+    member = jnp.any(by_page, axis=-1)  # [..., J]
+    pages = jnp.sum(member, axis=-1, dtype=jnp.int32)
+    order = jnp.argsort(~member, axis=-1, stable=True)  # members first, each group in order
+    inside = jnp.arange(j) < pages[..., None]
+    tables = jnp.take_along_axis(block_tables.astype(jnp.int32), order, axis=-1)
+    pad = jnp.where(pages[..., None] > 0, tables[..., :1], pad_id)  # a page the call reads
+    tables = jnp.where(inside, tables, pad)
+    mask = jnp.take_along_axis(by_page, order[..., None], axis=-2) & inside[..., None]
+    return tables, pages * page_size, mask.reshape(want), pages
+
+
 def paged_decode_attention_reference(
     q: jax.Array,
     k_pages: jax.Array,
