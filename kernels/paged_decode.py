@@ -166,15 +166,20 @@ def compact_pages(
     want = (*block_tables.shape[:-1], j * page_size)
     if visible.shape != want or visible.dtype != jnp.bool_:
         raise ValueError(f"visible must be bool {want}; got {visible.shape=} {visible.dtype=}")
-    by_page = visible.reshape(*block_tables.shape, page_size)
-    member = jnp.any(by_page, axis=-1)  # [..., J]
+    lead = block_tables.shape[:-1]
+    by_page = visible.reshape(-1, j, page_size)  # rows flattened: R = prod(lead)
+    member = jnp.any(by_page, axis=-1)  # [R, J]
     pages = jnp.sum(member, axis=-1, dtype=jnp.int32)
-    order = jnp.argsort(~member, axis=-1, stable=True)  # members first, each group in order
-    inside = jnp.arange(j) < pages[..., None]
-    tables = jnp.take_along_axis(block_tables.astype(jnp.int32), order, axis=-1)
-    pad = jnp.where(pages[..., None] > 0, tables[..., :1], pad_id)  # a page the call reads
-    tables = jnp.where(inside, tables, pad)
-    mask = jnp.take_along_axis(by_page, order[..., None], axis=-2) & inside[..., None]
+    # each member page's slot in the compacted table (J: dropped); a scatter is cheaper
+    # than sorting on CPU
+    dest = jnp.where(member, jnp.cumsum(member, axis=-1, dtype=jnp.int32) - 1, j)
+    rows = jnp.arange(member.shape[0])[:, None]
+    tables = jnp.full(member.shape, pad_id, jnp.int32)
+    tables = tables.at[rows, dest].set(block_tables.reshape(-1, j).astype(jnp.int32), mode="drop")
+    inside = jnp.arange(j) < pages[:, None]
+    tables = jnp.where(inside, tables, jnp.where(pages[:, None] > 0, tables[:, :1], pad_id))
+    mask = jnp.zeros_like(by_page).at[rows, dest].set(by_page, mode="drop")
+    tables, pages = tables.reshape(block_tables.shape), pages.reshape(lead)
     return tables, pages * page_size, mask.reshape(want), pages
 
 

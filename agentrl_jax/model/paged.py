@@ -236,7 +236,8 @@ def _sparse_decode(
     [B]; keep: optional bool [B, max_pages * L] keys still held (eviction); int8: optional
     (Int8Pool with tables [B, max_pages], use8 bool [B, max_pages]): pages read from the int8
     pool (:func:`two_pool_decode`). Each pool's call visits only its own selected blocks that
-    hold a visible key (:func:`pool_call`, blocks of ``sparse_block_size`` tokens as pages).
+    hold a visible key (:func:`pool_call`, blocks of ``sparse_block_size`` tokens as pages);
+    without either, one call over the first used blocks (bucketed by their count).
     Returns [B, 1, N, H] in the compute dtype. See the module docstring.
     """
     b, _, n, h = q.shape
@@ -273,7 +274,7 @@ def _sparse_decode(
         kb, vb = blocks_of(pk), blocks_of(pv)
         sc = None if scales is None else [jnp.repeat(x, per_page, axis=0) for x in scales]
 
-        def call(vis, return_lse):
+        def run(t, ln, m, return_lse):  # blocks [B, K, n], lengths [B, K], mask [B, K, n * bs]
             def one_head(qk, kp, vp, bt, ln, m, s):  # [B, G, H], [Pb, bs, H] x2, [B, n] ...
                 kw = {} if s is None else dict(k_scales=s[0][:, None], v_scales=s[1][:, None])
                 return kernels.paged_decode_attention(
@@ -281,11 +282,17 @@ def _sparse_decode(
                     return_lse=return_lse, impl=policy.kernel_impl, **kw,
                 )  # fmt: skip
 
-            def run(t, ln, m):  # compacted blocks [B, K, n], lengths [B, K], mask [B, K, n * bs]
-                axes = (1, 2, 2, 1, 1, 1, None if sc is None else 1)
-                return jax.vmap(one_head, in_axes=axes, out_axes=1)(qg, kb, vb, t, ln, m, sc)
+            axes = (1, 2, 2, 1, 1, None if m is None else 1, None if sc is None else 1)
+            return jax.vmap(one_head, in_axes=axes, out_axes=1)(qg, kb, vb, t, ln, m, sc)
 
-            return pool_call(run, block_ids(bt), vis, bs)
+        if keep is None and int8 is None:  # the used blocks lead, in order: no key mask
+            ids = block_ids(bt)
+            fn = lambda n: run(ids[..., :n], vlen, None, False)  # noqa: E731
+            return lambda vis, return_lse: over_page_buckets(fn, n_used, ids.shape[-1])
+
+        def call(vis, return_lse):
+            fn = lambda t, ln, m: run(t, ln, m, return_lse)  # noqa: E731
+            return pool_call(fn, block_ids(bt), vis, bs)
 
         return call
 
