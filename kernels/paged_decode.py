@@ -10,7 +10,8 @@ further keys: evicted tokens, or the tokens whose page lives in another pool. Wi
 ``return_lse`` every implementation also returns the log-sum-exp of the visible scores per
 (sequence, query head) and the output in float32, so calls over disjoint key sets (a float pool
 and an int8 pool) merge exactly with :func:`combine_attention` (a row with nothing visible has
-lse = -inf and output 0, and merges as an empty part).
+lse = -inf and output 0, and merges as an empty part). :func:`compact_pages` gives each such
+call a block table of only the pages holding its keys, so it visits no other pool's pages.
 
 Einsum legend: B batch, K kv heads, G query heads per kv head (N = K * G), H head dim,
 S cached token (page-major: page j slot o is token j * page_size + o), T cached (token, kv head)
