@@ -314,11 +314,11 @@ def page_buckets(max_pages: int, ratio: float = 1.25) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def over_page_buckets(fn, pages: jax.Array, max_pages: int):
-    """``fn(n)`` for the smallest bucket ``n`` (:func:`page_buckets` of ``max_pages``) >= every
-    entry of ``pages`` (int32 [...]). One ``lax.switch`` branch per bucket (all compiled; the
-    one taken is picked on device)."""
-    sizes = page_buckets(max_pages)
+def over_page_buckets(fn, pages: jax.Array, max_pages: int, ratio: float = 1.25):
+    """``fn(n)`` for the smallest bucket ``n`` (:func:`page_buckets` of ``max_pages`` and
+    ``ratio``) >= every entry of ``pages`` (int32 [...]). One ``lax.switch`` branch per bucket
+    (all compiled; the one taken is picked on device)."""
+    sizes = page_buckets(max_pages, ratio)
     live = jnp.clip(jnp.max(pages), 1, sizes[-1])
     index = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), live.astype(jnp.int32))
     return jax.lax.switch(index, [lambda n=n: fn(n) for n in sizes])
