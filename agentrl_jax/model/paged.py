@@ -195,17 +195,22 @@ def _int8_at(meta: dict, policy: DTypePolicy, s: int, page: int) -> jax.Array | 
     return i8
 
 
+POOL_BUCKET_RATIO = 2.0  # page-count buckets of the compacted per-pool calls (pool_call)
+
+
 def pool_call(call, tables: jax.Array, visible: jax.Array, page: int):
     """``call(tables, lengths, kv_mask)`` of the paged decode kernel over only the pages of
     ``tables`` (int32 [..., J]) that hold a key of ``visible`` (bool [..., J * page]).
 
     The pages are compacted to the front (``kernels.compact_pages``) and the call gets the
-    first ``n`` of them, ``n`` the smallest bucket (:func:`page_buckets`) holding every row's:
-    the kernel reads one pool's pages only, and the XLA path gathers ``n`` pages, not J.
+    first ``n`` of them, ``n`` the smallest bucket (:func:`page_buckets`, each about half the
+    next: one compiled kernel call per bucket and pool, and buckets 1.25x apart compiled about
+    twice as long for the same decode time) holding every row's: the kernel reads one pool's
+    pages only, and the XLA path gathers ``n`` pages, not J.
     """
     t, lengths, mask, pages = kernels.compact_pages(tables, visible, page)
     fn = lambda n: call(t[..., :n], lengths, mask[..., : n * page])  # noqa: E731
-    return over_page_buckets(fn, pages, tables.shape[-1])
+    return over_page_buckets(fn, pages, tables.shape[-1], POOL_BUCKET_RATIO)
 
 
 def two_pool_decode(attend_float, attend_int8, visible: jax.Array | None, use8: jax.Array | None):
