@@ -23,12 +23,16 @@ Parts (``--parts``), each at every ``--contexts`` size (tokens):
     context masked to its blocks (``masked``: ``select_blocks`` on every key) against reading
     only its top-k blocks scored on stored block means (``gather``, ``ModelConfig.sparse_gather``),
     both through the chunk path (``decode_kernel`` false) and through the paged decode kernel
-    (``decode_kernel`` true); ``sparse_speedup_vs_dense`` = gather / masked on the same path.
+    (``decode_kernel`` true; ``--decode-paths`` picks them); ``sparse_speedup_vs_dense`` =
+    gather / masked on the same path.
     ``--decode-kv``: ``dense`` (no compression) and/or ``int8+evict``: the prefilled context's
     middle (after the prompt, before the last ``2 * --obs`` tokens) in spans of ``--obs``
     tokens, alternately moved to int8 pages (the int8 pool, ``int8_tables``), evicted, and
     kept in float pages (recorded decisions taking effect at the span's end, no mass
-    tracking), so the kernel path reads two pools merged by log-sum-exp with a key mask.
+    tracking), so the kernel path reads two pools merged by log-sum-exp, each call over its own
+    pool's pages (blocks) holding a visible key. ``whole_context_*``: pages and KV bytes a
+    whole-context read of the start state visits per pool, against both calls over every live
+    page slot (``whole_context_read``).
     ``--decode-fill``: the slot's context comes from ``prefill`` (the model run over random
     tokens; ``prefill_s``) and/or ``random`` (``random_fill``, ``fill_s``; variants
     ``decode/random/...``): normal K/V at the per-layer mean and std of a real 1k-token
@@ -47,7 +51,7 @@ Parts (``--parts``), each at every ``--contexts`` size (tokens):
 
 Usage: python benchmarks/long_context.py [--contexts 8192,32768] [--parts kv,decode,parity]
        [--reps 5] [--parity-contexts 8192] [--decode-kv dense,int8+evict]
-       [--decode-fill prefill,random]
+       [--decode-fill prefill,random] [--decode-paths chunk,kernel]
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ from common import Timing, bench_model, env_fields
 
 from agentrl_jax.envs.base import StepResult
 from agentrl_jax.envs.coderepair import CodeTokenizer
-from agentrl_jax.model.paged import Int8Pool, int8_page_update, read_tokens
+from agentrl_jax.model.paged import Int8Pool, int8_page_update, int8_pages_read, read_tokens
 from agentrl_jax.model.paged_attention import INT8_KEYS
 from agentrl_jax.model.sparse_blocks import update_block_means
 from agentrl_jax.model.transformer import Transformer, init_params
@@ -342,6 +346,35 @@ def _random_fill(cfg, state, n, stats, key):
     return state._replace(cache=cache, logits=logits)
 
 
+def whole_context_read(state, n: int, pattern: str = MODEL.layer_pattern) -> dict:
+    """KV bytes a whole-context decode read of the paged layers visits for the token at
+    position ``n`` of slot 0 (a D layer's read; the F layer reads its selected blocks only):
+    each pool's call over the pages of its pool holding a visible key
+    (``model.paged.pool_call``), against both calls over every live page slot (one call and
+    the same pages without an int8 pool). From the live tables, the recorded decisions and
+    ``KVLayout``'s page bytes."""
+    layout = KVLayout.from_cache(state.cache, pattern)
+    tables = np.asarray(state.cache["block_tables"])[:1]
+    s = tables.shape[1] * PAGE
+    visible = np.arange(s)[None, :] <= n
+    if state.evict_at is not None:  # keep: keys whose eviction is not yet in effect
+        visible &= n < np.asarray(state.evict_at)[:1, :s]
+    use8 = np.zeros(tables.shape, bool)
+    if "int8_tables" in state.cache and state.int8_at is not None:
+        pool = Int8Pool(None, None, None, None, jnp.asarray(state.cache["int8_tables"])[:1])
+        use8 = np.asarray(int8_pages_read(pool, state.int8_at[:1, :s], jnp.full(1, n + 1)))
+    held = visible.reshape(1, -1, PAGE).any(axis=2)
+    live = -(-(n + 1) // PAGE)
+    both = layout.float_page + (layout.int8_page if use8.any() else 0)
+    return dict(
+        whole_context_float_pages=int((held & ~use8).sum()),
+        whole_context_int8_pages=int((held & use8).sum()),
+        whole_context_read_bytes=int((held & ~use8).sum() * layout.float_page
+                                     + (held & use8).sum() * layout.int8_page),
+        whole_context_read_bytes_all_slots=live * both,
+    )  # fmt: skip
+
+
 def decode_lines(context, args, params, stats=None):
     """The decode part's lines at ``context`` for each ``--decode-kv`` and ``--decode-fill``
     (``stats``: ``kv_stats``, needed by the random fill)."""
@@ -394,11 +427,15 @@ def _decode_lines(context, args, params, kv, fill, stats):
     n = context - (args.reps + 1) * args.new
     for mode, gather in (("masked", False), ("gather", True)):
         model = Transformer(MODEL.replace(sparse_gather=gather), get_policy("fp32"))
+        state = None
         for kernel in (False, True):
+            if ("kernel" if kernel else "chunk") not in args.decode_paths.split(","):
+                continue
             cfg = sampling(context, decode_kernel=kernel, stop_tokens=(-1,))
             sampler = Sampler(model, cfg)
-            if not kernel:  # one start state per model; the kernel path decodes from a copy
+            if state is None:  # one start state per model; each path decodes from a copy
                 state, counts, setup_s = decode_start(sampler, params, n, kv, fill, args.obs, stats)
+                counts = {**counts, **whole_context_read(state, n)}
             start = jax.tree.map(lambda a: a.copy(), state)
             t = decode_rate(sampler, params, start, args.new, args.reps)
             rates[mode, kernel] = args.new / (t.median_ms / 1e3)
@@ -466,6 +503,11 @@ def main(argv=None) -> None:
         help="decode part's KV: dense and/or int8+evict (comma-separated)",
     )  # fmt: skip
     ap.add_argument(
+        "--decode-paths",
+        default="chunk,kernel",
+        help="decode part's paths: chunk (decode_kernel false) and/or kernel (comma-separated)",
+    )
+    ap.add_argument(
         "--decode-fill", default="prefill",
         help="decode part's starting context: prefill (the model over it) and/or random "
         "(random K/V at a real prefill's magnitudes, no model run; comma-separated)",
@@ -474,6 +516,8 @@ def main(argv=None) -> None:
     for fill in args.decode_fill.split(","):
         if fill not in ("prefill", "random"):
             raise ValueError(f"--decode-fill {fill!r}; allowed: prefill, random")
+    if not args.decode_paths or not set(args.decode_paths.split(",")) <= {"chunk", "kernel"}:
+        raise ValueError(f"--decode-paths {args.decode_paths!r}; allowed: chunk, kernel")
     logging.basicConfig(stream=sys.stderr, level=logging.INFO)
     model = Transformer(MODEL, get_policy("fp32"))
     params = init_params(model, jax.random.key(0))

@@ -6,7 +6,8 @@ with ``impl='auto'|'xla'|'pallas'|...``; ``select.select_impl`` is the one rule 
 them compute the softmax and accumulate in float32 whatever the input dtype, and return zeros
 for a query row that sees no key. This package imports only jax/numpy. paged_decode_attention
 also takes a per-token key mask and can return the log-sum-exp, so calls over disjoint key sets
-(a float and an int8 page pool) merge exactly (``combine_attention``).
+(a float and an int8 page pool) merge exactly (``combine_attention``); ``compact_pages`` gives
+each such call a table of only the pages it has keys in.
 
 The 'pallas' kernels are generic Pallas: ``interpret=True`` runs them on CPU; on GPU they select
 the Triton lowering (power-of-two tiles). paged_decode_attention and block_sparse_attention also
@@ -26,6 +27,7 @@ from agentrl_jax.kernels.block_sparse import (
 )
 from agentrl_jax.kernels.paged_decode import (
     combine_attention,
+    compact_pages,
     paged_decode_attention,
     paged_decode_attention_reference,
     paged_decode_attention_xla,
@@ -45,6 +47,7 @@ __all__ = [
     "block_sparse_attention_reference",
     "block_sparse_attention_xla",
     "combine_attention",
+    "compact_pages",
     "normalize_block_indices",
     "paged_decode_attention",
     "paged_decode_attention_reference",

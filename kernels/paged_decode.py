@@ -10,7 +10,8 @@ further keys: evicted tokens, or the tokens whose page lives in another pool. Wi
 ``return_lse`` every implementation also returns the log-sum-exp of the visible scores per
 (sequence, query head) and the output in float32, so calls over disjoint key sets (a float pool
 and an int8 pool) merge exactly with :func:`combine_attention` (a row with nothing visible has
-lse = -inf and output 0, and merges as an empty part).
+lse = -inf and output 0, and merges as an empty part). :func:`compact_pages` gives each such
+call a block table of only the pages holding its keys, so it visits no other pool's pages.
 
 Einsum legend: B batch, K kv heads, G query heads per kv head (N = K * G), H head dim,
 S cached token (page-major: page j slot o is token j * page_size + o), T cached (token, kv head)
@@ -129,6 +130,58 @@ def combine_attention(
     w = w / jnp.where(seen, den, 1.0)
     out = sum(w[i][..., None] * o.astype(jnp.float32) for i, o in enumerate(outs))
     return out, jnp.where(seen, m_safe + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
+
+
+def compact_pages(
+    block_tables: jax.Array, visible: jax.Array, page_size: int, *, pad_id: int = 0
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Each row's pages holding a visible key, moved to the front in logical order.
+
+    Decode attention over the result (``block_tables=tables[..., :n]``, ``lengths``,
+    ``kv_mask=kv_mask[..., :n * page_size]`` for any ``n >= max(pages)``) equals attention over
+    the input table with ``kv_mask=visible``: the same keys, in the same order, but a kernel
+    visits only ``pages`` page slots (the Pallas kernels stop at ``lengths``; the XLA path
+    gathers ``n``). Pages with no visible key (another pool's, fully evicted, past the length)
+    are not visited. Positions in the compacted table are not logical positions: apply a
+    window to ``visible`` first and call the kernel without one.
+
+    Args:
+      block_tables: integer [..., J] page ids by logical page.
+      visible: bool [..., J * page_size] keys that may be attended, by logical position
+        (callers fold the sequence length and any window in).
+      page_size: tokens per page, >= 1.
+      pad_id: page id past the pages of a row that has none (a valid id; never read
+        unmasked). Rows with pages repeat their first one there: a padded slot that a kernel
+        still loads (the XLA path's bucket tail) holds a page the call reads anyway.
+
+    Returns:
+      (tables int32 [..., J], lengths int32 [...] = pages * page_size, kv_mask bool
+      [..., J * page_size], pages int32 [...]: page slots holding a visible key).
+
+    Raises:
+      ValueError: if ``visible`` is not bool [..., J * page_size] or page_size < 1.
+    """
+    if page_size < 1:
+        raise ValueError(f"{page_size=} must be >= 1")
+    j = block_tables.shape[-1]
+    want = (*block_tables.shape[:-1], j * page_size)
+    if visible.shape != want or visible.dtype != jnp.bool_:
+        raise ValueError(f"visible must be bool {want}; got {visible.shape=} {visible.dtype=}")
+    lead = block_tables.shape[:-1]
+    by_page = visible.reshape(-1, j, page_size)  # rows flattened: R = prod(lead)
+    member = jnp.any(by_page, axis=-1)  # [R, J]
+    pages = jnp.sum(member, axis=-1, dtype=jnp.int32)
+    # each member page's slot in the compacted table (J: dropped); a scatter is cheaper
+    # than sorting on CPU
+    dest = jnp.where(member, jnp.cumsum(member, axis=-1, dtype=jnp.int32) - 1, j)
+    rows = jnp.arange(member.shape[0])[:, None]
+    tables = jnp.full(member.shape, pad_id, jnp.int32)
+    tables = tables.at[rows, dest].set(block_tables.reshape(-1, j).astype(jnp.int32), mode="drop")
+    inside = jnp.arange(j) < pages[:, None]
+    tables = jnp.where(inside, tables, jnp.where(pages[:, None] > 0, tables[:, :1], pad_id))
+    mask = jnp.zeros_like(by_page).at[rows, dest].set(by_page, mode="drop")
+    tables, pages = tables.reshape(block_tables.shape), pages.reshape(lead)
+    return tables, pages * page_size, mask.reshape(want), pages
 
 
 def paged_decode_attention_reference(

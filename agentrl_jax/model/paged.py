@@ -195,21 +195,39 @@ def _int8_at(meta: dict, policy: DTypePolicy, s: int, page: int) -> jax.Array | 
     return i8
 
 
-def two_pool_decode(attend_float, attend_int8, keep: jax.Array | None, use8: jax.Array | None):
+POOL_BUCKET_RATIO = 2.0  # page-count buckets of the compacted per-pool calls (pool_call)
+
+
+def pool_call(call, tables: jax.Array, visible: jax.Array, page: int):
+    """``call(tables, lengths, kv_mask)`` of the paged decode kernel over only the pages of
+    ``tables`` (int32 [..., J]) that hold a key of ``visible`` (bool [..., J * page]).
+
+    The pages are compacted to the front (``kernels.compact_pages``) and the call gets the
+    first ``n`` of them, ``n`` the smallest bucket (:func:`page_buckets`, each about half the
+    next: one compiled kernel call per bucket and pool, and buckets 1.25x apart compiled about
+    twice as long for the same decode time) holding every row's: the kernel reads one pool's
+    pages only, and the XLA path gathers ``n`` pages, not J.
+    """
+    t, lengths, mask, pages = kernels.compact_pages(tables, visible, page)
+    fn = lambda n: call(t[..., :n], lengths, mask[..., : n * page])  # noqa: E731
+    return over_page_buckets(fn, pages, tables.shape[-1], POOL_BUCKET_RATIO)
+
+
+def two_pool_decode(attend_float, attend_int8, visible: jax.Array | None, use8: jax.Array | None):
     """Decode attention over a float pool and an int8 pool, merged by log-sum-exp.
 
-    ``attend_float(kv_mask, return_lse)`` / ``attend_int8(...)`` call the paged decode kernel
-    on one pool with a per-token key mask (bool [..., S]). Without an int8 pool
-    (``attend_int8`` None) one float call with ``keep``; else the float call sees the kept
-    tokens of pages not in ``use8`` (bool [..., S], per token), the int8 call those in it, and
-    ``kernels.combine_attention`` merges them (the softmax over the union). Returns the output
-    (float32 when merged).
+    ``attend_float(visible, return_lse)`` / ``attend_int8(...)`` call the paged decode kernel
+    on one pool for the keys of a per-token mask (bool [..., S]; :func:`pool_call` reads only
+    the pages holding them). Without an int8 pool (``attend_int8`` None) one float call with
+    ``visible``; else the float call gets the visible tokens of pages not in ``use8`` (bool
+    [..., S], per token), the int8 call those in it, and ``kernels.combine_attention`` merges
+    them (the softmax over the union). Returns the output (float32 when merged).
     """
     if attend_int8 is None:
-        return attend_float(keep, False)
-    keep = jnp.ones_like(use8) if keep is None else keep
-    f_out, f_lse = attend_float(keep & ~use8, True)
-    i_out, i_lse = attend_int8(keep & use8, True)
+        return attend_float(visible, False)
+    visible = jnp.ones_like(use8) if visible is None else visible
+    f_out, f_lse = attend_float(visible & ~use8, True)
+    i_out, i_lse = attend_int8(visible & use8, True)
     return kernels.combine_attention([f_out, i_out], [f_lse, i_lse])[0]
 
 
@@ -222,11 +240,13 @@ def _sparse_decode(
     selected blocks (-1 unused; the own block always selected); positions, new_len int32 [B, 1],
     [B]; keep: optional bool [B, max_pages * L] keys still held (eviction); int8: optional
     (Int8Pool with tables [B, max_pages], use8 bool [B, max_pages]): pages read from the int8
-    pool (:func:`two_pool_decode`). Returns [B, 1, N, H] in the compute dtype. See the module
-    docstring.
+    pool (:func:`two_pool_decode`). Each pool's call visits only its own selected blocks that
+    hold a visible key (:func:`pool_call`, blocks of ``sparse_block_size`` tokens as pages);
+    without either, one call over the first used blocks (bucketed by their count).
+    Returns [B, 1, N, H] in the compute dtype. See the module docstring.
     """
     b, _, n, h = q.shape
-    n_pages, page = pool_k.shape[:2]
+    page = pool_k.shape[1]
     bs, kh = cfg.sparse_block_size, cfg.n_kv_heads
     per_page = page // bs
     sel = idx[:, 0]  # [B, K, n_sel]
@@ -246,9 +266,10 @@ def _sparse_decode(
     vlen = jnp.clip(vlen, 0, sel.shape[-1] * bs).astype(jnp.int32)
     qg = q[:, 0].reshape(b, kh, n // kh, h)
     vshape = (b, kh, sel.shape[-1] * bs)  # the virtual sequence: selected blocks in order
+    visible = jnp.arange(vshape[2]) < vlen[..., None]  # [B, K, n_sel * bs]
     if keep is not None:
         vpos = (sel[..., None] * bs + jnp.arange(bs)).reshape(vshape)
-        keep = jnp.take_along_axis(keep[:, None, :], vpos, axis=2)
+        visible &= jnp.take_along_axis(keep[:, None, :], vpos, axis=2)
     use8 = None
     if int8 is not None:
         use8 = jnp.repeat(jnp.take_along_axis(int8[1][:, None, :], slot, axis=2), bs, axis=2)
@@ -258,18 +279,25 @@ def _sparse_decode(
         kb, vb = blocks_of(pk), blocks_of(pv)
         sc = None if scales is None else [jnp.repeat(x, per_page, axis=0) for x in scales]
 
-        def call(kv_mask, return_lse):
-            def one_head(qk, kp, vp, bt, ln, m, s):  # [B, G, H], [Pb, bs, H] x2, [B, n_sel]
+        def run(t, ln, m, return_lse):  # blocks [B, K, n], lengths [B, K], mask [B, K, n * bs]
+            def one_head(qk, kp, vp, bt, ln, m, s):  # [B, G, H], [Pb, bs, H] x2, [B, n] ...
                 kw = {} if s is None else dict(k_scales=s[0][:, None], v_scales=s[1][:, None])
                 return kernels.paged_decode_attention(
                     qk, kp[:, :, None], vp[:, :, None], bt, ln, kv_mask=m,
                     return_lse=return_lse, impl=policy.kernel_impl, **kw,
                 )  # fmt: skip
 
-            axes = (1, 2, 2, 1, 1, None if kv_mask is None else 1, None if sc is None else 1)
-            return jax.vmap(one_head, in_axes=axes, out_axes=1)(
-                qg, kb, vb, block_ids(bt), vlen, kv_mask, sc
-            )
+            axes = (1, 2, 2, 1, 1, None if m is None else 1, None if sc is None else 1)
+            return jax.vmap(one_head, in_axes=axes, out_axes=1)(qg, kb, vb, t, ln, m, sc)
+
+        if keep is None and int8 is None:  # the used blocks lead, in order: no key mask
+            ids = block_ids(bt)
+            fn = lambda n: run(ids[..., :n], vlen, None, False)  # noqa: E731
+            return lambda vis, return_lse: over_page_buckets(fn, n_used, ids.shape[-1])
+
+        def call(vis, return_lse):
+            fn = lambda t, ln, m: run(t, ln, m, return_lse)  # noqa: E731
+            return pool_call(fn, block_ids(bt), vis, bs)
 
         return call
 
@@ -277,7 +305,7 @@ def _sparse_decode(
     if int8 is not None:
         pool8 = int8[0]
         attend_int8 = attend(pool8.k, pool8.v, pool8.tables, (pool8.ks, pool8.vs))
-    out = two_pool_decode(attend(pool_k, pool_v, tables, None), attend_int8, keep, use8)
+    out = two_pool_decode(attend(pool_k, pool_v, tables, None), attend_int8, visible, use8)
     return out.reshape(b, 1, n, h).astype(policy.compute)
 
 
@@ -291,14 +319,20 @@ def page_buckets(max_pages: int, ratio: float = 1.25) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def over_page_buckets(fn, pages: jax.Array, max_pages: int, ratio: float = 1.25):
+    """``fn(n)`` for the smallest bucket ``n`` (:func:`page_buckets` of ``max_pages`` and
+    ``ratio``) >= every entry of ``pages`` (int32 [...]). One ``lax.switch`` branch per bucket
+    (all compiled; the one taken is picked on device)."""
+    sizes = page_buckets(max_pages, ratio)
+    live = jnp.clip(jnp.max(pages), 1, sizes[-1])
+    index = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), live.astype(jnp.int32))
+    return jax.lax.switch(index, [lambda n=n: fn(n) for n in sizes])
+
+
 def over_live_pages(fn, tables: jax.Array, new_len: jax.Array, page: int):
     """``fn(n)`` for the smallest bucket ``n`` (:func:`page_buckets`) holding every slot's pages.
 
     ``fn(n)`` may read only the first ``n`` block-table entries: pages past every slot's length
-    are masked anyway, so decode cost follows the longest live slot instead of ``max_len``. One
-    ``lax.switch`` branch per bucket (all compiled; the one taken is picked on device).
+    are masked anyway, so decode cost follows the longest live slot instead of ``max_len``.
     """
-    sizes = page_buckets(tables.shape[1])
-    live = jnp.clip(-(-jnp.max(new_len) // page), 1, sizes[-1])
-    index = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), live.astype(jnp.int32))
-    return jax.lax.switch(index, [lambda n=n: fn(n) for n in sizes])
+    return over_page_buckets(fn, -(-new_len // page), tables.shape[1])

@@ -13,11 +13,13 @@ groups' pools as one flat pool), K kv heads, N query heads, H head dim, M gather
   4. attention, one of
      * the decode kernel (``decode_kernel``, one row): D layers over the live pages, F layers
        over their selected blocks (``model.paged._sparse_decode``). With an int8 pool, one
-       call on the float pool and one on the int8 pool (its scales), each with a per-token key
-       mask of the pages it holds, merged by log-sum-exp (``model.paged.two_pool_decode``);
-       the eviction ``keep`` mask joins those key masks. Excluded (chunk path): the
-       attention-mass accumulator (the kernel returns no probabilities) and sink logits (the
-       kernel has no sink term);
+       call on the float pool and one on the int8 pool (its scales), merged by log-sum-exp
+       (``model.paged.two_pool_decode``); each call gets a block table of only its own pool's
+       pages (blocks for F) that hold a visible key, in logical order, with a per-token key
+       mask over them (``model.paged.pool_call``), so neither reads the other pool's pages
+       nor fully evicted ones; the eviction ``keep`` mask joins those key masks. Excluded
+       (chunk path): the attention-mass accumulator (the kernel returns no probabilities) and
+       sink logits (the kernel has no sink term);
      * gathered (F with ``sparse_gather``): only the selected blocks are read;
      * masked: the whole context is gathered and masked (F: to its selected blocks).
 F layers select blocks with ``select_blocks`` over the gathered keys, or with ``sparse_gather``
@@ -28,7 +30,6 @@ from the stored block means; ``replay`` (int32 [B, C, K, n]) replaces the select
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,7 @@ from agentrl_jax.model.paged import (
     int8_page_update,
     int8_pages_read,
     over_live_pages,
+    pool_call,
     read_pages,
     read_tokens,
     two_pool_decode,
@@ -134,12 +136,10 @@ class _Chunk:
             read_pages(self.v, safe, i8.v, i8.vs, safe8, use8),
         )
 
-    def int8_parts(self, n: int) -> tuple[Int8Pool, jax.Array] | None:
-        """The int8 pool with its tables cut to the first ``n`` pages and those pages' ``use8``
-        (``model.paged._sparse_decode``), or None without an int8 pool."""
-        if self.int8 is None:
-            return None
-        return self.int8._replace(tables=self.int8.tables[:, :n]), self.use8[:, :n]
+    def int8_parts(self) -> tuple[Int8Pool, jax.Array] | None:
+        """The int8 pool and ``use8`` (``model.paged._sparse_decode``), or None without an
+        int8 pool."""
+        return None if self.int8 is None else (self.int8, self.use8)
 
     def read_at(self, pos: jax.Array, heads: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys and values at positions int32 [B, ...] of kv heads ``heads`` (broadcastable):
@@ -199,15 +199,14 @@ def paged_chunk(
     use_kernel = decode_kernel and c == 1 and "mass" not in cache and sinks is None
     n_sel = min(cfg.sparse_topk_blocks, -(-ch.s // cfg.sparse_block_size))
     if use_kernel and kind == "D":
-        out = over_live_pages(functools.partial(_kernel_dense, ch), ch.tables, new_len, ch.page)
-        return ch.result(out[:, None])
+        return ch.result(_kernel_dense(ch)[:, None])
     if kind == "F" and "kmean" in cache:
         blocks = replay if replay is not None else _score(ch, n_sel)
         blocks = fit_blocks(blocks, n_sel)
         if use_kernel:
             out = _sparse_decode(
                 q, ch.k, ch.v, ch.tables, blocks, positions, new_len, cfg, policy,
-                keep=ch.keep, int8=ch.int8_parts(ch.tables.shape[1]),
+                keep=ch.keep, int8=ch.int8_parts(),
             )  # fmt: skip
             return ch.result(out, blocks)
         return _gathered(ch, blocks)
@@ -275,58 +274,63 @@ def _gathered(ch: _Chunk, blocks: jax.Array):
     return ch.result(out, blocks, mass=ch.cache["mass"].at[ch.group].add(got))
 
 
-def _kernel_dense(ch: _Chunk, n: int) -> jax.Array:
-    """D through the decode kernel over the first ``n`` pages: [B, N, H]. With an int8 pool,
-    one call per pool merged by log-sum-exp; ``keep`` as the kernel's key mask."""
-    q, lens, impl = ch.q[:, 0], ch.new_len, ch.policy.kernel_impl
-    keep = None if ch.keep is None else ch.keep[:, : n * ch.page]
+def _kernel_dense(ch: _Chunk) -> jax.Array:
+    """D through the decode kernel: [B, N, H]. Without an int8 pool or ``keep``, one call over
+    the first live pages; else one call per pool merged by log-sum-exp, each over only the
+    pages of its pool that hold a visible key (``model.paged.pool_call``)."""
+    q, lens, impl, page = ch.q[:, 0], ch.new_len, ch.policy.kernel_impl, ch.page
 
-    def attend(k, v, tables, scales):  # the kernel over one pool's first n pages
-        def call(kv_mask, lse):
-            return kernels.paged_decode_attention(
-                q, k, v, tables[:, :n], lens, k_scales=scales[0], v_scales=scales[1],
-                kv_mask=kv_mask, return_lse=lse, impl=impl,
-            )  # fmt: skip
+    def kernel(k, v, scales, lse):  # (tables, lengths, kv_mask) -> the kernel on one pool
+        return lambda t, ln, m: kernels.paged_decode_attention(
+            q, k, v, t, ln, k_scales=scales[0], v_scales=scales[1], kv_mask=m, return_lse=lse,
+            impl=impl,
+        )  # fmt: skip
 
-        return call
+    if ch.int8 is None and ch.keep is None:  # every live page is visible: no key mask
+        run = kernel(ch.k, ch.v, (None, None), False)
+        return over_live_pages(lambda n: run(ch.tables[:, :n], lens, None), ch.tables, lens, page)
+    visible = jnp.arange(ch.s)[None, :] < lens[:, None]
+    if ch.keep is not None:
+        visible &= ch.keep
+
+    def attend(k, v, tables, scales):
+        return lambda vis, lse: pool_call(kernel(k, v, scales, lse), tables, vis, page)
 
     attend_float = attend(ch.k, ch.v, ch.tables, (None, None))
     if ch.int8 is None:
-        return two_pool_decode(attend_float, None, keep, None)
+        return two_pool_decode(attend_float, None, visible, None)
     i8 = ch.int8
-    use8 = jnp.repeat(ch.use8[:, :n], ch.page, axis=1)
-    return two_pool_decode(attend_float, attend(i8.k, i8.v, i8.tables, (i8.ks, i8.vs)), keep, use8)
+    attend_int8 = attend(i8.k, i8.v, i8.tables, (i8.ks, i8.vs))
+    return two_pool_decode(attend_float, attend_int8, visible, jnp.repeat(ch.use8, page, axis=1))
 
 
 def _kernel_sparse(ch: _Chunk, n_sel: int, replay: jax.Array | None):
     """F through the decode kernel: ``select_blocks`` on the live pages' keys (or ``replay``),
-    the kernel over the selected blocks."""
+    then the kernel over the selected blocks (each pool's call over its own blocks only)."""
     cfg, q = ch.cfg, ch.q
 
-    def sparse(n):
+    def select(n):  # over the first n pages: the live ones
         keep = None if ch.keep is None else ch.keep[:, : n * ch.page]
-        if replay is not None:
-            idx = replay
-        else:
-            keys = ch.read_context(n)[0]
-            k_valid = jnp.arange(n * ch.page)[None, :] < ch.new_len[:, None]
-            idx = select_blocks(
-                q,
-                keys,
-                block_size=cfg.sparse_block_size,
-                topk_blocks=cfg.sparse_topk_blocks,
-                q_positions=ch.positions,
-                k_valid=k_valid if keep is None else k_valid & keep,
-            )
-        idx = fit_blocks(idx, n_sel)  # fewer blocks than the full width: unused (-1)
-        tb = ch.tables[:, :n]
-        out = _sparse_decode(
-            q, ch.k, ch.v, tb, idx, ch.positions, ch.new_len, cfg, ch.policy,
-            keep=keep, int8=ch.int8_parts(n),
-        )  # fmt: skip
-        return out, idx
+        keys = ch.read_context(n)[0]
+        k_valid = jnp.arange(n * ch.page)[None, :] < ch.new_len[:, None]
+        idx = select_blocks(
+            q,
+            keys,
+            block_size=cfg.sparse_block_size,
+            topk_blocks=cfg.sparse_topk_blocks,
+            q_positions=ch.positions,
+            k_valid=k_valid if keep is None else k_valid & keep,
+        )
+        return fit_blocks(idx, n_sel)  # fewer blocks than the full width: unused (-1)
 
-    out, idx = over_live_pages(sparse, ch.tables, ch.new_len, ch.page)
+    if replay is not None:
+        idx = fit_blocks(replay, n_sel)
+    else:
+        idx = over_live_pages(select, ch.tables, ch.new_len, ch.page)
+    out = _sparse_decode(
+        q, ch.k, ch.v, ch.tables, idx, ch.positions, ch.new_len, cfg, ch.policy,
+        keep=ch.keep, int8=ch.int8_parts(),
+    )  # fmt: skip
     return ch.result(out, idx)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from agentrl_jax.kernels import (
     combine_attention,
+    compact_pages,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
@@ -343,6 +344,97 @@ def test_float_and_int8_pools_combine_to_the_union(impl, window, dtype):
     np.testing.assert_array_equal(lse[-1], -np.inf)
     np.testing.assert_allclose(out, ref, **TOL[dtype])
     np.testing.assert_allclose(lse, ref_lse, **TOL[dtype])
+
+
+def test_compact_pages_matches_numpy_loop():
+    """Pages with a visible key first, in logical order; the rest padded with the row's first
+    page (or pad_id if it has none); the mask follows its pages; lengths = pages * page size."""
+    rng = np.random.default_rng(51)
+    tables = rng.integers(-1, NUM_PAGES, (3, 2, MAX_PAGES)).astype(np.int32)
+    visible = rng.random((3, 2, MAX_PAGES * PAGE)) < 0.3
+    visible[0, 0] = False  # no page at all
+    visible[1, 1] = True  # every page
+    t, lengths, mask, pages = compact_pages(jnp.asarray(tables), jnp.asarray(visible), PAGE)
+    for idx in np.ndindex(3, 2):
+        by_page = visible[idx].reshape(MAX_PAGES, PAGE)
+        keep = [j for j in range(MAX_PAGES) if by_page[j].any()]
+        pad = tables[idx][keep[0]] if keep else 0
+        want_t = [tables[idx][j] for j in keep] + [pad] * (MAX_PAGES - len(keep))
+        want_m = np.zeros((MAX_PAGES, PAGE), bool)
+        want_m[: len(keep)] = by_page[keep]
+        np.testing.assert_array_equal(t[idx], want_t)
+        np.testing.assert_array_equal(mask[idx], want_m.reshape(-1))
+        assert pages[idx] == len(keep) and lengths[idx] == len(keep) * PAGE
+    with pytest.raises(ValueError, match="visible"):
+        compact_pages(jnp.asarray(tables), jnp.asarray(visible[..., :-1]), PAGE)
+    with pytest.raises(ValueError, match="page_size"):
+        compact_pages(jnp.asarray(tables), jnp.asarray(visible), 0)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas-splits", "pallas_tpu"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_compacted_pools_combine_to_the_union(impl, dtype):
+    """Each pool's call over a table of only its pages holding a visible key (the bucket's
+    width: padded tail included), merged by lse, equals attention over the union of the keys.
+    Rows: int8 and float pages mixed, all int8, all float, evicted keys, lengths 0."""
+    if impl == "pallas_tpu" and dtype == jnp.float32:
+        pytest.skip("one TPU-semantics case is enough")
+    q, (k, v, tables), (k8, v8, tables8, scales), use8, keep, union = _two_pools(dtype, 53)
+    uk, uv, _, lengths = union
+    use8 = use8.at[1].set(True).at[2].set(False)  # row 1 all int8, row 2 all float
+    union_tables = jnp.where(use8[:, ::PAGE], NUM_PAGES + tables8, tables)
+    visible = keep & (jnp.arange(MAX_PAGES * PAGE)[None, :] < lengths[:, None])
+    fn = LSE_IMPLS[impl]
+    parts = [(k, v, tables, {}, visible & ~use8), (k8, v8, tables8, scales, visible & use8)]
+    pages = [compact_pages(p[2], p[4], PAGE)[3] for p in parts]
+    widths = [int(jnp.max(n)) + 1 if impl == "xla" else MAX_PAGES for n in pages]
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def merged(widths, q, parts):
+        outs = []
+        for n, (kp, vp, t, sc, vis) in zip(widths, parts, strict=True):
+            ct, lens, mask, _ = compact_pages(t, vis, PAGE)
+            n = min(n, MAX_PAGES)
+            outs.append(fn(q, kp, vp, ct[:, :n], lens, kv_mask=mask[:, : n * PAGE],
+                           return_lse=True, **sc))  # fmt: skip
+        return combine_attention([o[0] for o in outs], [o[1] for o in outs])
+
+    out, lse = merged(tuple(widths), q, parts)
+    ref, ref_lse = paged_decode_attention_reference(
+        q.astype(jnp.float32), uk, uv, union_tables, lengths, kv_mask=keep, return_lse=True
+    )
+    np.testing.assert_array_equal(pages[0][1], 0)  # all-int8 row: no float page visited
+    np.testing.assert_array_equal(pages[1][2], 0)  # all-float row: no int8 page visited
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[-1], 0.0)  # lengths == 0 in both pools
+    np.testing.assert_array_equal(lse[-1], -np.inf)
+    np.testing.assert_allclose(out, ref, **TOL[dtype])
+    np.testing.assert_allclose(lse, ref_lse, **TOL[dtype])
+
+
+def test_pallas_visits_only_the_compacted_pages():
+    """The split-K kernel over a compacted table reads exactly the pool's pages that hold a
+    visible key, however wide the table."""
+    q, (k, v, tables), _, use8, keep, _ = _two_pools(jnp.float32, 57)
+    lengths = jnp.asarray(LENGTHS, jnp.int32)
+    visible = keep & ~use8 & (jnp.arange(MAX_PAGES * PAGE)[None, :] < lengths[:, None])
+    ct, lens, _, pages = compact_pages(tables, visible, PAGE)
+    vis = paged_decode_visits(q, k, v, ct, lens, block_sizes=BlockSizes(2, 2))
+    want = (np.arange(MAX_PAGES)[None, :] < np.asarray(pages)[:, None]).astype(np.int32)
+    for kv_head in range(2):
+        np.testing.assert_array_equal(vis[:, kv_head, :, :-1].sum(axis=1), want)
+    assert (
+        0
+        < int(pages.sum())
+        < int(
+            jnp.sum(
+                jnp.any(
+                    (jnp.arange(MAX_PAGES * PAGE) < lengths[:, None]).reshape(-1, MAX_PAGES, PAGE),
+                    -1,
+                )
+            )
+        )
+    )
 
 
 def test_combine_attention_edge_cases():

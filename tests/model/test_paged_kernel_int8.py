@@ -1,6 +1,8 @@
 """Decode through the paged decode kernel with an int8 pool and an eviction mask: the same
 numbers as the gathered / masked chunk path (up to the kernel tests' tolerance)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,3 +132,32 @@ def test_mass_and_sinks_keep_the_chunk_path(monkeypatch):
             q, kd, vd, pos, c, meta, valid, new_len, jnp.int32(0), cfg=CFG, policy=pol,
             kind="D", decode_kernel=True, sinks=sinks,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,gather", [("D", False), ("F", False), ("F", True)])
+def test_each_pool_call_reads_only_its_pages(kind, gather):
+    """Float pages that are read from the int8 pool and fully evicted float pages are poisoned
+    with NaN: the kernel path never reads them (a masked read would give 0 * NaN), so its
+    output is finite and equals the chunk path on the clean pools."""
+    pol = get_policy("fp32")
+    cfg = CFG.replace(sparse_gather=gather)
+    q, kd, vd, pos, cache, meta, valid, new_len = _case(pol, True, True, gather, seed=11)
+    tables = np.asarray(meta["block_tables"])
+    use8 = np.asarray(meta["int8_at"]).reshape(len(LENGTHS), J, PAGE)[..., 0] == 0
+    use8 &= np.asarray(meta["int8_tables"]) >= 0
+    held = np.asarray(meta["keep"]).reshape(len(LENGTHS), J, PAGE).any(axis=2)
+    poison = (use8 | ~held) & (tables >= 0)
+    assert poison.sum() >= 3
+    bad = {key: cache[key].at[0, tables[poison]].set(jnp.nan) for key in ("k", "v")}
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def run(cache, decode_kernel):
+        return paged_chunk(
+            q, kd, vd, pos, cache, meta, valid, new_len, jnp.int32(0), cfg=cfg, policy=pol,
+            kind=kind, decode_kernel=decode_kernel, record=True,
+        )  # fmt: skip
+
+    ref = run(cache, False)[0]
+    got = run({**cache, **bad}, True)[0]
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), **TOL["fp32"])
