@@ -26,7 +26,7 @@ train: $(STAMP)
 	$(VENV)/bin/agentrl train experiments/default.py
 
 test: $(STAMP)
-	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" $(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15 -m "not slow"
+	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" $(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 -m "not slow"
 
 # The slow tier: multi-process runs over gloo and long end-to-end runs (minutes of 2 cores).
 test-slow: $(STAMP)
