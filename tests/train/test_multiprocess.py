@@ -11,8 +11,13 @@ experiment through ``agentrl train --coordinator --num-processes --process-id``:
     process plays.
 
 The runs share a compilation cache: the uninterrupted two-process run goes first and fills it,
-then the one-process and the to-be-killed runs run side by side, then the resumed one. About
-two minutes on 2 cores: it is marked ``slow``.
+then the one-process and the to-be-killed runs run side by side, the resumed one starting as
+soon as the killed one is dead. Only process 0 gains from the cache: on CPU JAX keys its entries
+with a topology fingerprint that differs between the processes and writes them from process 0
+only, so process 1 compiles every program in each of its three launches. The run is in
+``make test`` (not ``slow``), and ``tests/conftest.py`` starts this file first under
+``pytest -n 2 --dist loadfile`` so that its processes overlap the rest of the suite instead of
+trailing it (docs/distributed.md has its cost).
 """
 
 import json
@@ -25,14 +30,11 @@ import time
 
 import jax
 import numpy as np
-import pytest
 
 from agentrl_jax.experiment import build, from_saved
 from agentrl_jax.metrics import load_config_json, read_jsonl
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.train.checkpoint import restore_params, stage_dir
-
-pytestmark = pytest.mark.slow
 
 SETTINGS = [
     "mesh.fsdp=-1",
@@ -43,7 +45,13 @@ SETTINGS = [
     "train.rl_steps=2",
     "train.ckpt_every=1",
     "eval.modes=('sampled',)",
+    # the evaluation after RL runs the rollout's 4 slots x 16 new tokens: the sampler's
+    # programs compiled for RL serve it too (2 episodes would compile a 2-slot prefill/decode)
     "eval.n_slots=4",
+    "eval.n_episodes=4",
+    # one refill round of dynamic sampling per step (the experiment's 2 play a third round of
+    # the same programs): the processes still have to agree on a refill
+    "data.max_refill_rounds=1",
 ]
 SFT_LR, RL_LR, STEPS = 3e-3, 5e-4, 2  # the smoke experiment's learning rates
 AGENTRL = os.path.join(os.path.dirname(sys.executable), "agentrl")
@@ -143,9 +151,10 @@ def test_two_processes_match_one_and_resume_bitwise(tmp_path):
         p.send_signal(signal.SIGKILL)
     for p in killed:
         p.wait()
-    _finish(one)
     run_killed = _run_dir(dirs["killed"])
-    _finish(_launch(dirs["killed"], 2, 2, cache, resume=run_killed))
+    resumed = _launch(dirs["killed"], 2, 2, cache, resume=run_killed)  # while `one` finishes
+    _finish(one)
+    _finish(resumed)
 
     run_two, run_one = _run_dir(dirs["two"]), _run_dir(dirs["one"])
     # only process 0 prints the summary and writes the run's files

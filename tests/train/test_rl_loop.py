@@ -25,6 +25,9 @@ SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
 # End-to-end runs on one device: the 8 fake devices are the mesh tests' (an 8-way run costs
 # 2-3x the CPU time and memory of a one-device run on 2 cores).
 ONE_DEVICE = "mesh.devices=1"
+# The evaluation on the rollout's 4 slots (2 groups of 2): its sampled mode runs the programs
+# the rollout compiled (the smoke experiment's 2 episodes on 2 slots compile their own).
+EVAL_4 = ["eval.n_episodes=4", "eval.n_slots=4"]
 
 
 def _rl_run(cfg, run_dir, params, *, resume=False) -> RLRun:
@@ -32,7 +35,7 @@ def _rl_run(cfg, run_dir, params, *, resume=False) -> RLRun:
 
 
 def test_main_job_smoke(tmp_path):
-    cfg = load_config(SMOKE, [f"workdir={tmp_path}", "train.eval_every=1", ONE_DEVICE])
+    cfg = load_config(SMOKE, [f"workdir={tmp_path}", "train.eval_every=1", ONE_DEVICE, *EVAL_4])
     summary = run(cfg, progress=False)
     for key in (
         "heldout_success_before_rl",
@@ -81,6 +84,7 @@ def test_main_job_smoke(tmp_path):
         [
             f"workdir={tmp_path / 'second'}",
             ONE_DEVICE,
+            *EVAL_4,
             "train.sft=False",
             f"train.init_from={run_dir}",
             "train.eval_before=False",
@@ -100,7 +104,7 @@ def test_main_job_smoke(tmp_path):
     # ... but only an evaluation of the same tasks under the same decoding and dtype policy
     assert stored_sft_eval(run_dir, cfg2) is not None
     for other in (["eval.n_episodes=3"], ["eval.seed=1"], ["policy=bf16"]):
-        assert stored_sft_eval(run_dir, load_config(SMOKE, other)) is None, other
+        assert stored_sft_eval(run_dir, load_config(SMOKE, [*EVAL_4, *other])) is None, other
     lines = [json.loads(x) for x in open(os.path.join(second["run_dir"], "metrics.jsonl"))]
     assert any(0.0 <= x.get("rl/greedy_member_success", -1) <= 1.0 for x in lines)
 
