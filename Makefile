@@ -25,11 +25,10 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(VENV)/bin/agentrl train experiments/default.py
 
-# --no-loadscope-reorder: tests/conftest.py orders the files itself (the two-process run first).
 test: $(STAMP)
-	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" $(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 -m "not slow"
+	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" $(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15 -m "not slow"
 
-# The slow tier: long end-to-end runs (minutes of 2 cores).
+# The slow tier: multi-process runs over gloo and long end-to-end runs (minutes of 2 cores).
 test-slow: $(STAMP)
 	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" $(VENV)/bin/pytest -q --durations=5 -m slow
 

@@ -14,10 +14,8 @@ The runs share a compilation cache: the uninterrupted two-process run goes first
 then the one-process and the to-be-killed runs run side by side, the resumed one starting as
 soon as the killed one is dead. Only process 0 gains from the cache: on CPU JAX keys its entries
 with a topology fingerprint that differs between the processes and writes them from process 0
-only, so process 1 compiles every program in each of its three launches. The run is in
-``make test`` (not ``slow``), and ``tests/conftest.py`` starts this file first under
-``pytest -n 2 --dist loadfile`` so that its processes overlap the rest of the suite instead of
-trailing it (docs/distributed.md has its cost).
+only, so process 1 compiles every program in each of its three launches. About 200 CPU-s: it
+is marked ``slow`` (with it, ``make test`` ran over CI's 10 minutes; docs/distributed.md).
 """
 
 import json
@@ -30,11 +28,14 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from agentrl_jax.experiment import build, from_saved
 from agentrl_jax.metrics import load_config_json, read_jsonl
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.train.checkpoint import restore_params, stage_dir
+
+pytestmark = pytest.mark.slow
 
 SETTINGS = [
     "mesh.fsdp=-1",
