@@ -201,7 +201,9 @@ def compressed_state(sampler, n: int, obs: int):
         cache=cache, int8_at=jnp.asarray(int8_at[None]),
         evict_at=jnp.asarray(evict_at[None]),
     )  # fmt: skip
-    return state, int(np.sum(int8_at < n)), int(np.sum(evict_at < n))
+    # decode starts at position n: keys with evict_at <= n are hidden from it, and int8
+    # decisions at positions <= n are in effect in its first chunk
+    return state, int(np.sum(int8_at <= n)), int(np.sum(evict_at <= n))
 
 
 def _live_tokens(pool: jax.Array, tables: jax.Array, n: int) -> jax.Array:
