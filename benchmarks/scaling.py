@@ -51,7 +51,7 @@ from agentrl_jax.model.transformer import Transformer, init_params  # noqa: E402
 from agentrl_jax.precision import get_policy  # noqa: E402
 from agentrl_jax.rl.state import RLConfig, rl_optimizer  # noqa: E402
 from agentrl_jax.rl.update import make_update  # noqa: E402
-from agentrl_jax.sharding import MeshConfig  # noqa: E402
+from agentrl_jax.sharding import MeshConfig, activate  # noqa: E402
 from agentrl_jax.train.placement import Placement  # noqa: E402
 
 MESHES = {
@@ -148,7 +148,8 @@ def mesh_lines(names: list[str], reps: int):
         step = shard.jit(make_update(model, rl), n_rest=1)
         state = placement.init_state(copy(), rl, jax.random.key(1), tx)
         placed = placement.place_batch(batch)
-        compiled = step.jitted.lower(state, placed, None).compile()
+        with activate(shard.mesh, shard.cfg):  # as ``step`` traces: the MoE sees the mesh
+            compiled = step.jitted.lower(state, placed, None).compile()
         state, _ = step(state, placed, None)
         diff = max(
             float(np.max(np.abs(np.asarray(a) - b)))
