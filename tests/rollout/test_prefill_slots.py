@@ -34,7 +34,11 @@ def _both(sampler, params, base, toks, n_new):
     return want, got
 
 
-@pytest.mark.parametrize("policy,n_pages", [("fp32", None), ("bf16", None), ("fp32", 120)])
+# bf16 in the slow tier (CI time): the fp32 groups make the same bitwise claim on the same path
+@pytest.mark.parametrize(
+    "policy,n_pages",
+    [("fp32", None), pytest.param("bf16", None, marks=pytest.mark.slow), ("fp32", 120)],
+)
 @pytest.mark.parametrize("busy", [(4,), (1, 4), (0, 1, 2, 3, 4, 5)])
 def test_prefill_slots_matches_all_slot_prefill(fp32_model, policy, n_pages, busy):
     """1, 2 (padded to 4) and all 6 slots busy; S and F layers, MoE routes, own or pooled pages."""

@@ -183,7 +183,11 @@ def _check_shards(tree, shardings, mesh, model_axes: int) -> tuple[int, int]:
     return per_device, total
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+# fsdp8 in the slow tier (CI time): its fsdp sharding, 1/N bytes and equality are checked in
+# make test by fsdp4_tensor2 and data2_fsdp2_expert2
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "fsdp8" else n for n in MESHES]
+)
 def test_sharded_steps_equal_single_device(single, name):
     params, batches, ((sft1, sft_m1), (rl1, rl_m1)) = single
     placement = Placement(MESHES[name], CFG, POLICY)
