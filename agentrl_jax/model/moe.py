@@ -324,7 +324,7 @@ class MoE(nn.Module):
             raise ValueError(f"MoE valid.shape={valid.shape} must be {(b, t)}")
         if replay_routes is not None and replay_routes.shape != (b, t, k):
             raise ValueError(f"MoE replay_routes.shape={replay_routes.shape} must be {(b, t, k)}")
-        mesh, token_axes, tp, ep = self._layout(b * t)
+        mesh, token_axes, n_shards, tp, ep = self._layout(b * t)
         w_router, w_gate, w_up, w_down, biases = self._expert_params()
         n = b * t
         xf = x.reshape(n, dm)
@@ -345,7 +345,6 @@ class MoE(nn.Module):
         probs, routes, gates = route(logits, k, replay, mode=cfg.routing, renorm=cfg.route_renorm)
         weights = (w_gate, w_up, w_down, *biases)
         if mesh is not None:
-            n_shards = int(np.prod([dict(mesh.shape)[a] for a in token_axes]))
             cap = cfg.capacity(n // n_shards)
             tok, ex = P(token_axes), P(token_axes, None)
             fax = "tensor" if tp else None
@@ -386,9 +385,9 @@ class MoE(nn.Module):
         return y, routes.reshape(b, t, k), aux
 
     def _layout(self, n_tokens: int):
-        """``(mesh or None, token axes, tensor-parallel experts, expert-parallel)`` of the
-        dispatch: a mesh whose token axes (``TOKEN_AXES``) or ``expert`` axis has size > 1
-        dispatches per token shard inside ``shard_map`` (a dispatch over the global token
+        """``(mesh or None, token axes, token shards, tensor-parallel experts, expert-parallel)``
+        of the dispatch: a mesh whose token axes (``TOKEN_AXES``) or ``expert`` axis has size
+        > 1 dispatches per token shard inside ``shard_map`` (a dispatch over the global token
         array would sort and gather every token on every device); None on one device, or when
         the tokens do not split evenly over the token axes and the experts are not split.
 
@@ -402,7 +401,7 @@ class MoE(nn.Module):
         n_token_shards = int(np.prod([sizes[a] for a in token_axes]))
         ep = sizes.get("expert", 1) > 1
         if not ep and (n_token_shards == 1 or n_tokens % n_token_shards):
-            return None, (), False, False
+            return None, (), 1, False, False
         if ep and cfg.n_experts % sizes["expert"]:
             raise ValueError(
                 f"ModelConfig.n_experts={cfg.n_experts} must be a multiple of mesh "
@@ -419,7 +418,7 @@ class MoE(nn.Module):
                 f"ModelConfig.d_expert={cfg.d_expert} must be a multiple of mesh "
                 f"tensor={sizes['tensor']}"
             )
-        return mesh, token_axes, tp, ep
+        return mesh, token_axes, n_token_shards, tp, ep
 
     def _expert_params(self):
         """Router ``[D, E]``, expert weights ``[E, D, F]`` x2 / ``[E, F, D]`` and the expert
