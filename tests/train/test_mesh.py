@@ -183,10 +183,15 @@ def _check_shards(tree, shardings, mesh, model_axes: int) -> tuple[int, int]:
     return per_device, total
 
 
-# fsdp8 in the slow tier (CI time): its fsdp sharding, 1/N bytes and equality are checked in
-# make test by fsdp4_tensor2 and data2_fsdp2_expert2
+# fsdp8 and data8 in the slow tier (CI time): fsdp sharding, 1/N bytes and equality are checked
+# in make test by fsdp4_tensor2 and data2_fsdp2_expert2, batch rows split over data by the
+# latter, and the MoE's per-token-shard dispatch without an expert axis by
+# tests/model/test_moe.py's data 2 x fsdp 2 x tensor 2 case
+SLOW_MESHES = ("fsdp8", "data8")
+
+
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "fsdp8" else n for n in MESHES]
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_MESHES else n for n in MESHES]
 )
 def test_sharded_steps_equal_single_device(single, name):
     params, batches, ((sft1, sft_m1), (rl1, rl_m1)) = single
