@@ -123,6 +123,33 @@ def bench_model(kind: str, pattern: str, **overrides: Any):
     return preset(f"bench-{kind}", layer_pattern=pattern, **overrides)
 
 
+def update_matmul_flops(kind: str, batch: int = 8, seq: int = PROMPT + NEW) -> int:
+    """Matmul FLOPs of one forward + backward of the benchmark model on ``batch x seq`` tokens.
+
+    Counts what any implementation must multiply (3x the forward: the backward takes the
+    gradients of the activations and of the weights): per token and layer the q/k/v/o
+    projections, causal attention scores and values over the ``(t + 1) / 2`` keys a token sees on
+    average, the FFN (dense SwiGLU, or ``experts_per_token`` routed SwiGLU experts: dropless, no
+    capacity slack) and the router; then the LM head. Norms, softmax, RoPE and AdamW are not
+    matmuls and are left out, so the count is a floor.
+
+    Raises:
+      ValueError: ``kind`` is neither 'dense' nor 'moe'.
+    """
+    if kind not in ("dense", "moe"):
+        raise ValueError(f"kind={kind!r}; allowed: 'dense', 'moe'")
+    c = PRESETS[f"bench-{kind}"]
+    d, h, nq, nkv = c["d_model"], c["head_dim"], c["n_heads"], c["n_kv_heads"]
+    proj = d * h * (2 * nq + 2 * nkv)  # q and o: nq heads; k and v: nkv heads
+    attn = 2 * nq * h * (seq + 1) / 2  # scores and values
+    if kind == "dense":
+        ffn = 3 * d * c["d_ff"]
+    else:
+        ffn = c["experts_per_token"] * 3 * d * c["d_expert"] + d * c["n_experts"]
+    macs_per_token = c["n_layers"] * (proj + attn + ffn) + d * c["vocab_size"]
+    return int(3 * 2 * macs_per_token * batch * seq)
+
+
 class Timing(NamedTuple):
     """Wall times of repeated calls, in milliseconds."""
 

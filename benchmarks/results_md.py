@@ -109,7 +109,13 @@ COLUMNS: dict[str, str] = {
         "tunix-Sampler_new_tokens_per_s=Tunix new tok/s; "
         "hf-transformers-generate_new_tokens_per_s=HF new tok/s; "
         "ratio_vs_best_peer=vs best peer; step_ms=step ms; torch_step_ms=PyTorch step ms; "
-        "ratio_vs_torch=vs PyTorch; goal_ratio=goal"
+        "ratio_vs_torch=vs PyTorch; goal_ratio=goal; goal_ms=goal ms; "
+        "matmul_floor_ms=matmul floor ms; goal_over_floor=goal / floor"
+    ),
+    "matmul_peak": (
+        "framework; dtype; shape=M x K x N; gflops=GFLOP/s (best); gflops_median=median; "
+        "update_matmul_floor_ms_dense=update floor ms, dense; "
+        "update_matmul_floor_ms_moe=update floor ms, MoE; threads"
     ),
     "teacher_forced": (
         "model; pattern; batch; mode; policy; tokens_per_s=tok/s; ms; ms_min=min; ms_max=max; "

@@ -11,7 +11,10 @@
 #     variant update/<model>/fp32: step_ms of update.py (DDDD, batch 8 x 192) and PyTorch's
 #       forward + backward + AdamW on the same shapes, ratio_vs_torch (goal <= 0.67);
 #     variant update/<model>/bf16: update.py --policy bf16 against update_baseline.py --dtype
-#       bf16 (PyTorch + transformers under CPU autocast, run with the peers' torch venv).
+#       bf16 (PyTorch + transformers under CPU autocast, run with the peers' torch venv);
+#     update lines also carry goal_ms (0.67 x PyTorch's step), matmul_floor_ms (the step's
+#       matmul FLOPs at the best rate matmul_peak.py measured, JAX or PyTorch, at the step's
+#       shapes: no step can be faster) and goal_over_floor (below 1: the goal cannot be met).
 #   Each shape runs its peers and the project back to back (Tunix, HF, project) so drift in
 #   the machine's load hits every row of a shape alike; the lines carry the load anyway.
 #   TORCH_THREADS (default 1) sets the PyTorch peer's threads (OMP_NUM_THREADS): on a loaded
@@ -66,6 +69,9 @@ for M in dense moe; do
     --dtype bf16 --threads "$TORCH_THREADS" --reps 5
   ours update.py --only "$M-DDDD" --iteration none --reps 5 --policy bf16
 done
+echo ">> matmul peak (the floor under any update step)" >&2
+peer "$HF" "$ROOT/benchmarks/matmul_peak.py" --framework torch --threads "$TORCH_THREADS"
+(cd "$ROOT/benchmarks" && "$PY" matmul_peak.py 2>>"$RAW.stderr") | stamp project 8 >>"$RAW"
 
 "$PY" - "$RAW" <<'EOF'
 import json, sys
@@ -113,6 +119,14 @@ for m in ("dense", "moe"):
             line = dict(bench="vs_peers", variant=f"update/{m}/{policy}",
                         step_ms=ours[-1]["step_ms"], torch_step_ms=t_ms,
                         ratio_vs_torch=round(ours[-1]["step_ms"] / t_ms, 3), goal_ratio=0.67,
+                        goal_ms=round(0.67 * t_ms, 1),
                         load_avg_1m_max=max(ours[-1]["load_avg_1m"], t_row["load_avg_1m"]))
+            # the step's matmul FLOPs at the fastest rate either framework reached at its shapes
+            floors = [r[f"update_matmul_floor_ms_{m}"] for r in rows
+                      if r.get("bench") == "matmul_peak" and r.get("dtype") == policy
+                      and f"update_matmul_floor_ms_{m}" in r]
+            if floors:
+                line["matmul_floor_ms"] = min(floors)
+                line["goal_over_floor"] = round(line["goal_ms"] / min(floors), 3)
             print(json.dumps({**line, **env}))
 EOF

@@ -54,3 +54,31 @@ def test_presets_build_model_configs():
         common.preset("huge")
     with pytest.raises(ValueError, match="kind='mlp'"):
         common.bench_model("mlp", "D")
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_update_matmul_flops_counts_every_weight_matmul(kind):
+    """The analytic count against the model's own parameters: every weight of a matmul
+    multiplies each token once (experts: k of E), plus causal attention and the tied head."""
+    import jax
+    import numpy as np
+
+    from agentrl_jax.model.transformer import Transformer, init_params
+    from agentrl_jax.precision import get_policy
+
+    cfg = common.bench_model(kind, "D")
+    model = Transformer(cfg, get_policy("fp32"))
+    shapes = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
+    macs = 0.0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
+        name = jax.tree_util.keystr(path)
+        if leaf.ndim < 2 or "norm" in name:
+            continue
+        expert = "['moe']" in name and "router" not in name  # [G, E, ., .]: k of E per token
+        share = cfg.experts_per_token / cfg.n_experts if expert else 1.0
+        macs += share * np.prod(leaf.shape)  # the tied embedding: once, as the LM head
+    b, t = 8, common.PROMPT + common.NEW
+    attn = cfg.n_layers * 2 * cfg.n_heads * cfg.head_dim * (t + 1) / 2
+    assert common.update_matmul_flops(kind) == pytest.approx(6 * b * t * (macs + attn), rel=1e-9)
+    with pytest.raises(ValueError, match="kind='x'"):
+        common.update_matmul_flops("x")
