@@ -61,6 +61,7 @@ SUITE: dict[str, list[str]] = {
     "kernels": ["--reps", "3"],
     "scaling": ["--reps", "3"],
     "long_context": ["--contexts", "8192", "--reps", "5"],
+    "matmul_peak": [],
 }
 REPS_FLAGS: dict[str, tuple[str, ...]] = {
     "compile_depth": ("--reps",),
@@ -71,6 +72,7 @@ REPS_FLAGS: dict[str, tuple[str, ...]] = {
     "kernels": ("--reps",),
     "scaling": ("--reps",),
     "long_context": ("--reps",),
+    "matmul_peak": ("--reps",),
     "rollout_baseline": ("--reps",),
     "update_baseline": ("--reps",),
 }

@@ -45,6 +45,10 @@ SETTINGS = [
     "train.eval_before=False",
     "train.rl_steps=2",
     "train.ckpt_every=1",
+    # process rewards give the smoke model's episodes unequal advantages (its outcome rewards
+    # are all 0 after 2 SFT steps): the RL steps' gradients, all-reduced across the processes,
+    # are not zero
+    "train.advantage=episode_process",
     "eval.modes=('sampled',)",
     # the evaluation after RL runs the rollout's 4 slots x 16 new tokens: the sampler's
     # programs compiled for RL serve it too (2 episodes would compile a 2-slot prefill/decode)
@@ -164,6 +168,7 @@ def test_two_processes_match_one_and_resume_bitwise(tmp_path):
     assert len(read_jsonl(os.path.join(run_two, "attempts.jsonl"))) == 1
     rl_rows = [r for r in read_jsonl(os.path.join(run_two, "metrics.jsonl")) if "rl/loss" in r]
     assert [r["step"] for r in rl_rows] == [1, 2]
+    assert all(r["rl/grad_norm"] > 0 for r in rl_rows)  # the RL steps move the weights
 
     # (c) disjoint blocks per process; together the one-process run's episodes
     calls_two, rows_two = _calls(run_two)
