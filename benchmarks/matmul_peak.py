@@ -23,7 +23,7 @@ import json
 import statistics
 import time
 
-from common import NEW, PROMPT, load_avg, update_matmul_flops
+from common import NEW, PROMPT, env_fields, load_avg, update_matmul_flops
 
 ROWS = 8 * (PROMPT + NEW)  # update.py's batch 8 x 192 tokens
 SHAPES = ((ROWS, 256, 768), (ROWS, 768, 256), (ROWS, 256, 1024), (2048, 2048, 2048))
@@ -70,10 +70,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
         make, env = _torch_matmul, {"torch_version": torch.__version__, "threads": args.threads}
     else:
-        import jax
-
-        make = _jax_matmul
-        env = {"backend": jax.default_backend(), "jax_version": jax.__version__}
+        make, env = _jax_matmul, env_fields()
     for dtype in dtypes:
         for m, k, n in SHAPES:
             call = make(dtype, m, k, n)

@@ -2,7 +2,8 @@
 # The project's rollout and update rows beside the peers' (Tunix, Hugging Face transformers +
 # PyTorch) in one window on this machine, then the ratios against the goals.
 #
-# Usage: bash benchmarks/vs_peers.sh PEERS_DIR [RAW.jsonl]
+# Usage: bash benchmarks/vs_peers.sh PEERS_DIR [RAW.jsonl] [--summarize]
+#   --summarize: measure nothing, print the ratios of the lines already in RAW.jsonl.
 #   PEERS_DIR holds the peer scripts and their venvs (tunix-venv, hf-venv): see the peers'
 #   README for the set-up. Every raw line (peers' and the project's, each with load_avg_1m) is
 #   appended to RAW.jsonl (default: a temporary file); stdout gets one JSON line per ratio:
@@ -29,6 +30,13 @@ RAW=${2:-$(mktemp -t vs_peers.XXXXXX.jsonl)}
 TUNIX=$PEERS_DIR/tunix-venv/bin/python
 HF=$PEERS_DIR/hf-venv/bin/python
 TORCH_THREADS=${TORCH_THREADS:-1}
+MEASURE=1
+if [ "${3:-}" = --summarize ]; then
+  MEASURE=0
+  [ -s "$RAW" ] || { echo "vs_peers.sh: --summarize needs the raw lines of a run ($RAW)" >&2; exit 2; }
+elif [ -n "${3:-}" ]; then
+  echo "vs_peers.sh: unknown argument ${3}; allowed: --summarize" >&2; exit 2
+fi
 for f in "$TUNIX" "$HF" "$PY"; do
   [ -x "$f" ] || { echo "vs_peers.sh: $f missing (see the peers' README)" >&2; exit 2; }
 done
@@ -47,6 +55,7 @@ for line in lines[-int(sys.argv[2]):]:
 peer() { (cd "$PEERS_DIR" && "$@" 2>>"$RAW.stderr") | stamp peer >>"$RAW"; }
 ours() { (cd "$ROOT/benchmarks" && "$PY" "$@" 2>>"$RAW.stderr") | stamp project 9 >>"$RAW"; }
 
+measure() {
 for B in 8 32; do
   for M in dense moe; do
     flag=(); [ "$M" = moe ] && flag=(--moe)
@@ -70,8 +79,11 @@ for M in dense moe; do
   ours update.py --only "$M-DDDD" --iteration none --reps 5 --policy bf16
 done
 echo ">> matmul peak (the floor under any update step)" >&2
-peer "$HF" "$ROOT/benchmarks/matmul_peak.py" --framework torch --threads "$TORCH_THREADS"
+(cd "$ROOT/benchmarks" && "$HF" matmul_peak.py --framework torch --threads "$TORCH_THREADS" \
+  2>>"$RAW.stderr") | stamp peer 8 >>"$RAW"
 (cd "$ROOT/benchmarks" && "$PY" matmul_peak.py 2>>"$RAW.stderr") | stamp project 8 >>"$RAW"
+}
+[ "$MEASURE" = 1 ] && measure
 
 "$PY" - "$RAW" <<'EOF'
 import json, sys
@@ -79,7 +91,7 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 env = {}
 for r in rows:
-    if r.get("vs_peers_role") == "project" and "jax_version" in r:
+    if r.get("vs_peers_role") == "project" and r.get("bench") in ("rollout", "update"):
         env = {k: r[k] for k in ("backend", "devices", "jax_version")}
 
 
