@@ -21,7 +21,7 @@
 #   TORCH_THREADS (default 1) sets the PyTorch peer's threads (OMP_NUM_THREADS): on a loaded
 #   2-core machine torch's two OpenMP workers wait on each other at every op and its rows
 #   collapse (docs/results.md); on an idle machine try TORCH_THREADS=2 as well.
-# Takes 15-20 minutes on 2 cores; run it on an otherwise idle machine.
+# Takes 7-15 minutes on 2 cores (7 on an idle one); run it on an otherwise idle machine.
 set -euo pipefail
 PEERS_DIR=$(cd "${1:?usage: vs_peers.sh PEERS_DIR [RAW.jsonl]}" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
