@@ -110,9 +110,10 @@ COLUMNS: dict[str, str] = {
         "variant; new_tokens_per_s=new tok/s; best_peer=best peer; "
         "tunix-Sampler_new_tokens_per_s=Tunix new tok/s; "
         "hf-transformers-generate_new_tokens_per_s=HF new tok/s; "
+        "hf-transformers-generate_torch_threads=HF threads; "
         "ratio_vs_best_peer=vs best peer; step_ms=step ms; torch_step_ms=PyTorch step ms; "
-        "ratio_vs_torch=vs PyTorch; goal_ratio=goal; goal_ms=goal ms; "
-        "matmul_floor_ms=matmul floor ms; goal_over_floor=goal / floor"
+        "torch_threads=PyTorch threads; ratio_vs_torch=vs PyTorch; goal_ratio=goal; "
+        "goal_ms=goal ms; matmul_floor_ms=matmul floor ms; goal_over_floor=goal / floor"
     ),
     "matmul_peak": (
         "framework; dtype; shape=M x K x N; gflops=GFLOP/s (best); gflops_median=median; "

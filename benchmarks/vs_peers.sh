@@ -18,9 +18,12 @@
 #       shapes: no step can be faster) and goal_over_floor (below 1: the goal cannot be met).
 #   Each shape runs its peers and the project back to back (Tunix, HF, project) so drift in
 #   the machine's load hits every row of a shape alike; the lines carry the load anyway.
-#   TORCH_THREADS (default 1) sets the PyTorch peer's threads (OMP_NUM_THREADS): on a loaded
-#   2-core machine torch's two OpenMP workers wait on each other at every op and its rows
-#   collapse (docs/results.md); on an idle machine try TORCH_THREADS=2 as well.
+#   TORCH_THREADS (default 1) sets the PyTorch peer's threads (OMP_NUM_THREADS), or a comma
+#   list (e.g. 1,2) to run each PyTorch row at each count, the ratios then taken against the
+#   faster: on a loaded 2-core machine torch's two OpenMP workers wait on each other at every
+#   op and its rows collapse (docs/results.md), on an idle one two threads can win. Peer lines
+#   carry torch_threads. RAW.jsonl should hold one run: the ratios take the best peer line of
+#   each shape in it.
 # Takes 7-15 minutes on 2 cores (7 on an idle one); run it on an otherwise idle machine.
 set -euo pipefail
 PEERS_DIR=$(cd "${1:?usage: vs_peers.sh PEERS_DIR [RAW.jsonl]}" && pwd)
@@ -53,6 +56,16 @@ for line in lines[-int(sys.argv[2]):]:
 ' "$1" "${2:-1}"
 }
 peer() { (cd "$PEERS_DIR" && "$@" 2>>"$RAW.stderr") | stamp peer >>"$RAW"; }
+torch_peer() {  # torch_peer N_LINES CMD...: CMD at each thread count of TORCH_THREADS
+  local n=$1 t
+  shift
+  for t in ${TORCH_THREADS//,/ }; do
+    (cd "$PEERS_DIR" && OMP_NUM_THREADS=$t "$@" 2>>"$RAW.stderr") | stamp peer "$n" \
+      | "$PY" -c 'import json, sys
+for line in sys.stdin:
+    print(json.dumps({**json.loads(line), "torch_threads": int(sys.argv[1])}))' "$t" >>"$RAW"
+  done
+}
 ours() { (cd "$ROOT/benchmarks" && "$PY" "$@" 2>>"$RAW.stderr") | stamp project 9 >>"$RAW"; }
 
 measure() {
@@ -61,7 +74,7 @@ for B in 8 32; do
     flag=(); [ "$M" = moe ] && flag=(--moe)
     echo ">> rollout $M b$B" >&2
     peer "$TUNIX" tunix_sampler_bench.py --batch "$B" --prompt 64 --new 128 "${flag[@]}"
-    OMP_NUM_THREADS=$TORCH_THREADS peer "$HF" hf_generate_bench.py --batch "$B" --prompt 64 --new 128 --no_train "${flag[@]}"
+    torch_peer 1 "$HF" hf_generate_bench.py --batch "$B" --prompt 64 --new 128 --no_train "${flag[@]}"
     ours rollout.py --models "$M" --patterns D --batches "$B" --no-nocache --reps 5
   done
 done
@@ -69,18 +82,19 @@ for M in dense moe; do
   flag=(); [ "$M" = moe ] && flag=(--moe)
   echo ">> update $M" >&2
   # the generate part is short here; the line's fwd_bwd_adamw_ms is the train step
-  OMP_NUM_THREADS=$TORCH_THREADS peer "$HF" hf_generate_bench.py --batch 8 --prompt 64 --new 8 "${flag[@]}"
+  torch_peer 1 "$HF" hf_generate_bench.py --batch 8 --prompt 64 --new 8 "${flag[@]}"
   ours update.py --only "$M-DDDD" --iteration none --reps 5
   echo ">> update $M bf16" >&2
   # bf16: ours under the bf16 policy against the project's PyTorch baseline under CPU autocast
   # (the peers' script has no bf16 train step); run with the peers' torch venv
-  OMP_NUM_THREADS=$TORCH_THREADS peer "$HF" "$ROOT/benchmarks/update_baseline.py" --models "$M" \
-    --dtype bf16 --threads "$TORCH_THREADS" --reps 5
+  # (its --threads: the count torch_peer sets, read back from OMP_NUM_THREADS)
+  torch_peer 1 sh -c 'exec "$0" "$@" --threads "$OMP_NUM_THREADS"' "$HF" \
+    "$ROOT/benchmarks/update_baseline.py" --models "$M" --dtype bf16 --reps 5
   ours update.py --only "$M-DDDD" --iteration none --reps 5 --policy bf16
 done
 echo ">> matmul peak (the floor under any update step)" >&2
-(cd "$ROOT/benchmarks" && "$HF" matmul_peak.py --framework torch --threads "$TORCH_THREADS" \
-  2>>"$RAW.stderr") | stamp peer 8 >>"$RAW"
+torch_peer 8 sh -c 'exec "$0" "$@" --threads "$OMP_NUM_THREADS"' "$HF" \
+  "$ROOT/benchmarks/matmul_peak.py" --framework torch
 (cd "$ROOT/benchmarks" && "$PY" matmul_peak.py 2>>"$RAW.stderr") | stamp project 8 >>"$RAW"
 }
 [ "$MEASURE" = 1 ] && measure
@@ -103,8 +117,13 @@ for m in ("dense", "moe"):
     for b in (8, 32):
         ours = [r for r in rows if r.get("bench") == "rollout" and r["model"] == m
                 and r["batch"] == b]
-        peers = {r["system"]: r for r in rows if "system" in r and peer_model(r) == m
-                 and r["batch"] == b and r.get("config", {}).get("new", 128) == 128}
+        peers = {}  # each system's fastest line (over TORCH_THREADS)
+        for r in rows:
+            if ("system" in r and peer_model(r) == m and r["batch"] == b
+                    and r.get("config", {}).get("new", 128) == 128):
+                s = r["system"]
+                if s not in peers or r["tokens_per_s"] > peers[s]["tokens_per_s"]:
+                    peers[s] = r
         if not ours or not peers:
             continue
         best = max(peers, key=lambda s: peers[s]["tokens_per_s"])
@@ -116,6 +135,8 @@ for m in ("dense", "moe"):
                     load_avg_1m_max=max(r["load_avg_1m"] for r in [ours[-1], *peers.values()]))
         for s, r in peers.items():
             line[f"{s}_new_tokens_per_s"] = r["tokens_per_s"]
+            if "torch_threads" in r:
+                line[f"{s}_torch_threads"] = r["torch_threads"]
         print(json.dumps({**line, **env}))
     for policy in ("fp32", "bf16"):
         ours = [r for r in rows if r.get("bench") == "update" and r["model"] == m
@@ -127,12 +148,14 @@ for m in ("dense", "moe"):
             torch = [(r, r["step_ms"]) for r in rows if r.get("bench") == "update_baseline"
                      and r.get("model") == m and r.get("policy") == "bf16" and "step_ms" in r]
         if ours and torch:
-            t_row, t_ms = torch[-1]
+            t_row, t_ms = min(torch, key=lambda x: x[1])  # the faster thread count
             line = dict(bench="vs_peers", variant=f"update/{m}/{policy}",
                         step_ms=ours[-1]["step_ms"], torch_step_ms=t_ms,
                         ratio_vs_torch=round(ours[-1]["step_ms"] / t_ms, 3), goal_ratio=0.67,
                         goal_ms=round(0.67 * t_ms, 1),
                         load_avg_1m_max=max(ours[-1]["load_avg_1m"], t_row["load_avg_1m"]))
+            if "torch_threads" in t_row:
+                line["torch_threads"] = t_row["torch_threads"]
             # the step's matmul FLOPs at the fastest rate either framework reached at its shapes
             floors = [r[f"update_matmul_floor_ms_{m}"] for r in rows
                       if r.get("bench") == "matmul_peak" and r.get("dtype") == policy
