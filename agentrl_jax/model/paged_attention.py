@@ -112,6 +112,13 @@ class _Chunk:
     def keep(self) -> jax.Array | None:
         return self.meta.get("keep")
 
+    def visible(self, n: int | None = None) -> jax.Array:
+        """bool [B, n * page] (default all S): keys of the first ``n`` pages this chunk may
+        attend: cached (position < ``new_len``) and, under eviction replay, still held."""
+        s = self.s if n is None else n * self.page
+        vis = jnp.arange(s)[None, :] < self.new_len[:, None]
+        return vis if self.keep is None else vis & self.keep[:, :s]
+
     def result(self, out: jax.Array, blocks: jax.Array | None = None, **more):
         """(out in the compute dtype, the stacked layer cache with ``more`` entries)."""
         shape = self.cache["k"].shape
@@ -256,10 +263,7 @@ def _write(ch: _Chunk, kd: jax.Array, vd: jax.Array) -> None:
 def _score(ch: _Chunk, n_sel: int) -> jax.Array:
     """Selection from the stored block means: int32 [B, C, K, n_sel]."""
     b, bs = ch.q.shape[0], ch.cfg.sparse_block_size
-    visible = jnp.arange(ch.s)[None, :] < ch.new_len[:, None]
-    if ch.keep is not None:
-        visible = visible & ch.keep
-    visible = jnp.any(visible.reshape(b, ch.s // bs, bs), axis=2)
+    visible = jnp.any(ch.visible().reshape(b, ch.s // bs, bs), axis=2)
     return score_blocks(ch.q, ch.kmean, ch.positions, visible, block_size=bs, n_sel=n_sel)
 
 
@@ -289,9 +293,7 @@ def _kernel_dense(ch: _Chunk) -> jax.Array:
     if ch.int8 is None and ch.keep is None:  # every live page is visible: no key mask
         run = kernel(ch.k, ch.v, (None, None), False)
         return over_live_pages(lambda n: run(ch.tables[:, :n], lens, None), ch.tables, lens, page)
-    visible = jnp.arange(ch.s)[None, :] < lens[:, None]
-    if ch.keep is not None:
-        visible &= ch.keep
+    visible = ch.visible()
 
     def attend(k, v, tables, scales):
         return lambda vis, lse: pool_call(kernel(k, v, scales, lse), tables, vis, page)
@@ -310,16 +312,14 @@ def _kernel_sparse(ch: _Chunk, n_sel: int, replay: jax.Array | None):
     cfg, q = ch.cfg, ch.q
 
     def select(n):  # over the first n pages: the live ones
-        keep = None if ch.keep is None else ch.keep[:, : n * ch.page]
         keys = ch.read_context(n)[0]
-        k_valid = jnp.arange(n * ch.page)[None, :] < ch.new_len[:, None]
         idx = select_blocks(
             q,
             keys,
             block_size=cfg.sparse_block_size,
             topk_blocks=cfg.sparse_topk_blocks,
             q_positions=ch.positions,
-            k_valid=k_valid if keep is None else k_valid & keep,
+            k_valid=ch.visible(n),
         )
         return fit_blocks(idx, n_sel)  # fewer blocks than the full width: unused (-1)
 
@@ -341,9 +341,7 @@ def _masked(ch: _Chunk, kind: str, n_sel: int, sinks, replay):
     b, c = q.shape[:2]
     keys, vals = ch.read_context()
     kpos = jnp.arange(ch.s)
-    k_valid = kpos[None, :] < ch.new_len[:, None]
-    if ch.keep is not None:  # eviction replay: bool [B, S] of keys still held
-        k_valid = k_valid & ch.keep
+    k_valid = ch.visible()  # eviction replay: only keys still held
     mask = k_valid[:, None, :] & (kpos[None, None, :] <= positions[:, :, None])  # [B,C,S]
     mask = jnp.broadcast_to(mask[:, :, None, :], (b, c, cfg.n_kv_heads, ch.s))
     idx = None
