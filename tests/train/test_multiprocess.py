@@ -15,7 +15,8 @@ then the one-process and the to-be-killed runs run side by side, the resumed one
 soon as the killed one is dead. Only process 0 gains from the cache: on CPU JAX keys its entries
 with a topology fingerprint that differs between the processes and writes them from process 0
 only, so process 1 compiles every program in each of its three launches. About 200 CPU-s: it
-is marked ``slow`` (with it, ``make test`` ran over CI's 10 minutes; docs/distributed.md).
+is marked ``slow`` (with it, ``make test`` ran over its 10 minutes; docs/distributed.md), and
+``.ci/run`` runs the slow tier after ``make test``.
 """
 
 import json
