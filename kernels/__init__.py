@@ -32,6 +32,7 @@ from agentrl_jax.kernels.paged_decode import (
     paged_decode_attention_reference,
     paged_decode_attention_xla,
 )
+from agentrl_jax.kernels.paged_decode import op_shape as paged_decode_op_shape
 from agentrl_jax.kernels.select import IMPLS, OP_IMPLS, OpShape, select_impl
 from agentrl_jax.kernels.sliding_window import (
     sliding_window_attention,
@@ -52,6 +53,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "paged_decode_attention_xla",
+    "paged_decode_op_shape",
     "select_impl",
     "sliding_window_attention",
     "sliding_window_attention_reference",

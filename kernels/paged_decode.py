@@ -287,7 +287,9 @@ def paged_decode_attention_xla(
     t = n_pages * ps * kh  # T: (page, slot, kv head) flattened, the pool's own order
 
     def gather(pages: jax.Array) -> jax.Array:  # [B, T, H], one contiguous row per page
-        return jnp.take(pages.reshape(num_pages, -1), bt, axis=0).reshape(b, t, h).astype(compute)
+        # bt is clipped above: no out-of-bounds fill (a select per gathered element)
+        rows = jnp.take(pages.reshape(num_pages, -1), bt, axis=0, mode="clip")
+        return rows.reshape(b, t, h).astype(compute)
 
     # [B, K, G, n_pages, ps, J]: query head (K, G) against kv head J's key at token (page, slot)
     logits = jnp.einsum("BNH,BTH->BNT", q, gather(k_pages), preferred_element_type=jnp.float32)

@@ -15,6 +15,7 @@ int8 tokens' dequantised values in it).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -287,8 +288,22 @@ def _sparse_decode(
                     return_lse=return_lse, impl=policy.kernel_impl, **kw,
                 )  # fmt: skip
 
+            args = (qg, kb, vb, t, ln, m, sc)
             axes = (1, 2, 2, 1, 1, None if m is None else 1, None if sc is None else 1)
-            return jax.vmap(one_head, in_axes=axes, out_axes=1)(qg, kb, vb, t, ln, m, sc)
+            shape = kernels.paged_decode_op_shape(qg[:, 0], kb[:, :, :1], t[:, 0])
+            if kernels.select_impl("paged_decode", policy.kernel_impl, shape) != "xla":
+                return jax.vmap(one_head, in_axes=axes, out_axes=1)(*args)
+
+            # XLA: a loop over the kv heads. Under vmap XLA CPU gathered all heads' blocks into
+            # one batched operand and copied the keys transposed for a batched matmul; per
+            # head it gathers plain [n * bs, H] rows (decode 6-9% faster at 32k tokens).
+            def of_head(i):  # the arguments of head i: each vmapped axis indexed
+                take = [None if a is None else functools.partial(jnp.take, indices=i, axis=a)
+                        for a in axes]  # fmt: skip
+                return [x if f is None else jax.tree.map(f, x) for x, f in zip(args, take)]
+
+            heads = [one_head(*of_head(i)) for i in range(kh)]
+            return jax.tree.map(lambda *per_head: jnp.stack(per_head, axis=1), *heads)
 
         if keep is None and int8 is None:  # the used blocks lead, in order: no key mask
             ids = block_ids(bt)
