@@ -248,7 +248,7 @@ def _normal(key, shape, mean_std, dtype) -> jax.Array:
 
 
 def _block_means(kmean, pool, tables, lengths, cfg) -> jax.Array:
-    """f32 [B, J, K, H]: every block's mean of the keys stored in ``pool`` [P, L, K, H] below
+    """f32 [B, K, J, H]: every block's mean of the keys stored in ``pool`` [P, L, K, H] below
     ``lengths`` (``update_block_means`` over one row per block)."""
     bs, kh = cfg.sparse_block_size, pool.shape[2]
     b, s = tables.shape[0], tables.shape[1] * pool.shape[1]

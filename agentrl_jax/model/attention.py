@@ -111,7 +111,7 @@ def init_layer_cache(
     Float buffers have :func:`pool_dtype` (the compute dtype under ``kv_cache_dtype='int8'``).
     Paged layers get an int8 pool of ``int8_pages`` pages when it is > 0: ``k8``, ``v8`` int8
     [P8, L, K, H] and ``ks``, ``vs`` f32 [P8, K]. F layers of a ``sparse_gather`` model get
-    ``kmean`` f32 [B, max_len / sparse_block_size, K, H] (``max_len`` required then: the
+    ``kmean`` f32 [B, K, max_len / sparse_block_size, H] (``max_len`` required then: the
     sequence capacity, a multiple of ``page_size``).
 
     Raises:
@@ -134,7 +134,7 @@ def init_layer_cache(
     if kind == "F" and cfg.sparse_gather:
         if max_len is None:
             raise ValueError("init_layer_cache of a sparse_gather F layer needs max_len")
-        out["kmean"] = jnp.zeros((batch, max_len // cfg.sparse_block_size, kh, h), jnp.float32)
+        out["kmean"] = jnp.zeros((batch, kh, max_len // cfg.sparse_block_size, h), jnp.float32)
     return out
 
 

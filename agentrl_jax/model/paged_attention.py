@@ -89,7 +89,7 @@ class _Chunk:
     v: jax.Array = None
     int8: Int8Pool | None = None
     use8: jax.Array | None = None  # bool [B, J]: pages read from the int8 pool
-    kmean: jax.Array | None = None  # f32 [B, J_blocks, K, H] block means (sparse_gather)
+    kmean: jax.Array | None = None  # f32 [B, K, J_blocks, H] block means (sparse_gather)
     extra: dict = dataclasses.field(default_factory=dict)  # further cache entries to return
 
     def __post_init__(self):

@@ -6,7 +6,7 @@ kv head, M gathered keys per row and kv head (n * bs), bs the sparse block size.
 
 With ``ModelConfig.sparse_gather`` the cached (chunk) path of an ``F`` layer, i.e. prefill,
 decode and the trainer's chunked parity pass, does not gather the whole context and mask it:
-  1. each sequence keeps the mean key of every block (``kmean`` f32 [B, J, K, H], a per-slot
+  1. each sequence keeps the mean key of every block (``kmean`` f32 [B, K, J, H], a per-slot
      cache entry): after a chunk's keys are written, the blocks its rows fall in are re-averaged
      from the float pool (:func:`update_block_means`), so scoring reads J means, not S keys;
   2. a query's GQA group scores blocks with its group-mean query against those means, causally,
@@ -50,7 +50,8 @@ def update_block_means(
     """Re-averages the blocks the chunk's valid rows fall in.
 
     Args:
-      kmean: f32 [B, J, K, H] block means.
+      kmean: f32 [B, K, J, H] block means (head-major: scoring reads each head's means as one
+        [J, H] matrix, no transposed copy).
       read_keys: ``read_keys(pos int32 [B, X]) -> [B, X, K, H]`` keys of the float pool at
         absolute positions (after this chunk's write).
       positions: int32 [B, C] positions of the chunk's rows.
@@ -59,10 +60,10 @@ def update_block_means(
       block_size: bs.
 
     Returns:
-      f32 [B, J, K, H]: each touched block's mean over its positions below ``new_len``.
+      f32 [B, K, J, H]: each touched block's mean over its positions below ``new_len``.
     """
     b, c = positions.shape
-    n_blocks = kmean.shape[1]
+    n_kv, n_blocks = kmean.shape[1:3]
     blk = positions // block_size  # [B, C]
     pos = block_positions(blk, block_size)  # [B, C * bs]
     keys = read_keys(jnp.clip(pos, 0, n_blocks * block_size - 1)).astype(jnp.float32)
@@ -71,8 +72,8 @@ def update_block_means(
     count = jnp.sum(w, axis=2)  # [B, C]
     mean = jnp.einsum("BCLKH,BCL->BCKH", keys, w) / jnp.maximum(count, 1.0)[..., None, None]
     dst = jnp.where(valid, blk, n_blocks)  # invalid rows dropped
-    bidx = jnp.broadcast_to(jnp.arange(b)[:, None], (b, c))
-    return kmean.at[bidx, dst].set(mean, mode="drop")
+    bidx = jnp.arange(b)[:, None, None]
+    return kmean.at[bidx, jnp.arange(n_kv), dst[..., None]].set(mean, mode="drop")
 
 
 def score_blocks(
@@ -88,7 +89,7 @@ def score_blocks(
 
     Args:
       q: [B, C, N, H] queries (after RoPE).
-      kmean: f32 [B, J, K, H] block means.
+      kmean: f32 [B, K, J, H] block means.
       positions: int32 [B, C] query positions.
       block_visible: bool [B, J] blocks holding at least one visible key.
       block_size: bs.
@@ -99,10 +100,10 @@ def score_blocks(
       -1 for unused slots.
     """
     b, c, n_q, h = q.shape
-    n_kv = kmean.shape[2]
+    n_kv = kmean.shape[1]
     qg = q.astype(jnp.float32).reshape(b, c, n_kv, n_q // n_kv, h).mean(axis=3)
-    score = jnp.einsum("BCKH,BJKH->BCKJ", qg, kmean)
-    j = jnp.arange(kmean.shape[1])
+    score = jnp.einsum("BCKH,BKJH->BCKJ", qg, kmean)
+    j = jnp.arange(kmean.shape[2])
     qblock = (positions // block_size)[:, :, None, None]
     allowed = (j <= qblock) & block_visible[:, None, None, :]
     score = jnp.where(allowed, score, -jnp.inf)

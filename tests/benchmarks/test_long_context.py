@@ -70,7 +70,7 @@ def test_random_fill_has_the_prefilled_layout_and_magnitudes(states):
             bs = CFG.sparse_block_size
             want = np.zeros(layer["kmean"].shape[1:], np.float64)
             for j in range(-(-N // bs)):
-                want[0, j] = keys[j * bs : min(N, (j + 1) * bs)].mean(axis=0)
+                want[0, :, j] = keys[j * bs : min(N, (j + 1) * bs)].mean(axis=0)
             np.testing.assert_allclose(layer["kmean"][0], want, rtol=1e-5, atol=1e-6)
         if "k8" in layer:  # int8 pages: the same pages written, holding the float pages' values
             written = np.asarray(layer["ks"][0]).max(axis=1) > 0

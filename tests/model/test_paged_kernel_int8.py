@@ -64,7 +64,7 @@ def _case(policy, int8: bool, evict: bool, gather: bool, seed: int = 0):
         keep[3, : lengths[3]] = False  # everything before it evicted
         meta["keep"] = jnp.asarray(keep)
     if gather:
-        cache["kmean"] = jnp.asarray(rng.standard_normal((1, b, s // 4, kh, h)), jnp.float32)
+        cache["kmean"] = jnp.asarray(rng.standard_normal((1, b, kh, s // 4, h)), jnp.float32)
     q = f(b, 1, n, h)
     kd, vd = f(b, 1, kh, h), f(b, 1, kh, h)
     pos = jnp.asarray(lengths)[:, None]

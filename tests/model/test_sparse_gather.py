@@ -80,7 +80,7 @@ def test_stored_block_means_select_what_select_blocks_selects():
     b, s, kh, h, n, bs, c = 2, 32, 2, 8, 4, 4, 4
     k = jnp.asarray(rng.normal(size=(b, s, kh, h)), jnp.float32)
     new_len = jnp.asarray([30, 17])
-    kmean = jnp.zeros((b, s // bs, kh, h), jnp.float32)
+    kmean = jnp.zeros((b, kh, s // bs, h), jnp.float32)
     heads = jnp.arange(kh)[None, None, :]
     read = lambda pos: k[jnp.arange(b)[:, None, None], pos[:, :, None], heads]  # noqa: E731
     for lo in range(0, s, c):  # chunk by chunk, as the chunked path writes them
