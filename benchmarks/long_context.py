@@ -170,17 +170,23 @@ def kv_lines(context, args, params):
         )  # fmt: skip
 
 
-def decode_rate(sampler, params, state, n_new, reps):
-    """Median decode rate of one slot over ``reps`` calls of ``n_new`` tokens each."""
+def decode_rates(runs: dict, params, n_new: int, reps: int) -> dict:
+    """Median decode rate of one slot per entry of ``runs`` (``{key: (sampler, state)}``), over
+    ``reps`` calls of ``n_new`` tokens each, the entries timed in alternation (round by round,
+    so load that drifts during the measurement falls on all of them alike). Each entry decodes
+    on from its own copy of its state; its first call compiles. Returns ``{key: Timing}``."""
     args = (jax.random.key(2), np.zeros(1, np.int32), np.ones(1, bool))
-    budget, times = np.full(1, n_new, np.int32), []
-    for i in range(reps + 1):  # the first call compiles
-        t0 = time.perf_counter()
-        state, out = sampler.decode(params, state, *args, budget, np.int32(1))
-        jax.block_until_ready(out.tokens)
-        if i:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return Timing.from_ms(times)
+    budget = np.full(1, n_new, np.int32)
+    states = {k: jax.tree.map(lambda a: a.copy(), st) for k, (_, st) in runs.items()}
+    times = {k: [] for k in runs}
+    for i in range(reps + 1):
+        for k, (sampler, _) in runs.items():
+            t0 = time.perf_counter()
+            states[k], out = sampler.decode(params, states[k], *args, budget, np.int32(1))
+            jax.block_until_ready(out.tokens)
+            if i:
+                times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: Timing.from_ms(v) for k, v in times.items()}
 
 
 def compressed_state(sampler, n: int, obs: int):
@@ -425,38 +431,40 @@ def decode_start(sampler, params, n, kv, fill, obs, stats=None):
 
 
 def _decode_lines(context, args, params, kv, fill, stats):
-    rates = {}
     n = context - (args.reps + 1) * args.new
+    runs, starts = {}, {}
     for mode, gather in (("masked", False), ("gather", True)):
         model = Transformer(MODEL.replace(sparse_gather=gather), get_policy("fp32"))
-        state = None
         for kernel in (False, True):
             if ("kernel" if kernel else "chunk") not in args.decode_paths.split(","):
                 continue
             cfg = sampling(context, decode_kernel=kernel, stop_tokens=(-1,))
             sampler = Sampler(model, cfg)
-            if state is None:  # one start state per model; each path decodes from a copy
+            if mode not in starts:  # one start state per model; each path decodes from a copy
                 state, counts, setup_s = decode_start(sampler, params, n, kv, fill, args.obs, stats)
-                counts = {**counts, **whole_context_read(state, n)}
-            start = jax.tree.map(lambda a: a.copy(), state)
-            t = decode_rate(sampler, params, start, args.new, args.reps)
-            rates[mode, kernel] = args.new / (t.median_ms / 1e3)
-            tags = ("" if fill == "prefill" else "random/") + ("" if kv == "dense" else f"{kv}/")
-            line = dict(
-                bench="long_context", variant=f"decode/{tags}{mode}/"
-                f"{'kernel' if kernel else 'chunk'}/{context}", context=context, kv_option=kv,
-                policy="fp32", dtype="float32", sparse_read=mode, decode_kernel=kernel,
-                decode_fill=fill, uses_decode_kernel=sampler.uses_decode_kernel(state),
-                **counts, decode_tokens_per_s=round(rates[mode, kernel], 2),
-                **t.fields("decode_ms"), new_tokens=args.new, context_tokens=n,
-                topk_tokens=MODEL.sparse_topk_tokens, block_size=MODEL.sparse_block_size,
-                **{"prefill_s" if fill == "prefill" else "fill_s": round(setup_s, 1)},
-            )  # fmt: skip
-            if mode == "gather":
-                line["sparse_speedup_vs_dense"] = round(
-                    rates[mode, kernel] / rates["masked", kernel], 3
-                )
-            yield line
+                starts[mode] = state, {**counts, **whole_context_read(state, n)}, setup_s
+            runs[mode, kernel] = sampler, starts[mode][0]
+    timings = decode_rates(runs, params, args.new, args.reps)
+    rates = {key: args.new / (t.median_ms / 1e3) for key, t in timings.items()}
+    for (mode, kernel), (sampler, state) in runs.items():
+        _, counts, setup_s = starts[mode]
+        t = timings[mode, kernel]
+        tags = ("" if fill == "prefill" else "random/") + ("" if kv == "dense" else f"{kv}/")
+        line = dict(
+            bench="long_context", variant=f"decode/{tags}{mode}/"
+            f"{'kernel' if kernel else 'chunk'}/{context}", context=context, kv_option=kv,
+            policy="fp32", dtype="float32", sparse_read=mode, decode_kernel=kernel,
+            decode_fill=fill, uses_decode_kernel=sampler.uses_decode_kernel(state),
+            **counts, decode_tokens_per_s=round(rates[mode, kernel], 2),
+            **t.fields("decode_ms"), new_tokens=args.new, context_tokens=n,
+            topk_tokens=MODEL.sparse_topk_tokens, block_size=MODEL.sparse_block_size,
+            timed="interleaved",
+            **{"prefill_s" if fill == "prefill" else "fill_s": round(setup_s, 1)},
+        )  # fmt: skip
+        if mode == "gather" and ("masked", kernel) in rates:
+            speedup = rates[mode, kernel] / rates["masked", kernel]
+            line["sparse_speedup_vs_dense"] = round(speedup, 3)
+        yield line
 
 
 def parity_lines(context, args, params):
