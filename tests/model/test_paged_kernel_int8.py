@@ -121,6 +121,34 @@ def test_kernel_decode_matches_chunk_path(monkeypatch, kind, gather, int8, evict
             np.testing.assert_array_equal(got_cache[key], ref_cache[key])
 
 
+@pytest.mark.parametrize("int8", [True, False])
+def test_sparse_kernel_loop_over_heads_equals_the_vmap(monkeypatch, int8):
+    """The XLA implementation reads each kv head's selected blocks in a loop of kernel calls;
+    the Pallas ones vmap the kernel over the heads. Both give the same numbers (here the vmap
+    branch is forced while the kernel itself still runs XLA)."""
+    pol, cfg = get_policy("fp32"), CFG.replace(sparse_gather=True)
+    args = _case(pol, int8, True, True, seed=7 + int8)
+    real, calls = kernels.paged_decode_attention, []
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(kernels, "paged_decode_attention", spy)
+
+    def run():
+        calls.clear()
+        fn = functools.partial(paged_chunk, cfg=cfg, policy=pol, kind="F", decode_kernel=True)
+        out, _ = jax.jit(fn)(*args, jnp.int32(0))
+        return np.asarray(out), len(calls)
+
+    looped, n_loop = run()
+    monkeypatch.setattr(kernels, "select_impl", lambda *a, **k: "pallas")  # the vmap branch
+    vmapped, n_vmap = run()
+    assert n_loop == CFG.n_kv_heads * n_vmap > 0  # one call per head against one per pool
+    np.testing.assert_allclose(looped, vmapped, **TOL["fp32"])
+
+
 def test_mass_and_sinks_keep_the_chunk_path(monkeypatch):
     """The attention-mass accumulator and sink logits still exclude the kernel."""
     pol = get_policy("fp32")
