@@ -5,7 +5,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import N_SLOTS, SAMPLING, ScriptedEnv
+from rollout_setup import N_SLOTS, SAMPLING, ScriptedEnv
 
 from agentrl_jax.envs.coderepair import CodeRepairEnv, make_task
 from agentrl_jax.rl.mismatch import mismatch_metrics

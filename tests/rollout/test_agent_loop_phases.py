@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import numpy as np
 import pytest
-from conftest import N_SLOTS, SAMPLING, ScriptedEnv
+from rollout_setup import N_SLOTS, SAMPLING, ScriptedEnv
 from test_agent_loop import TASKS, play
 from test_agent_loop_pinned import SCENARIOS
 

@@ -17,7 +17,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import CFG
+from rollout_setup import CFG
 from test_agent_loop import N_PAGES, play
 
 from agentrl_jax.model.transformer import Transformer

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import CFG, N_SLOTS, SAMPLING
+from rollout_setup import CFG, N_SLOTS, SAMPLING
 from test_agent_loop import play
 
 from agentrl_jax import kernels

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from conftest import CFG, N_SLOTS, SAMPLING
+from rollout_setup import CFG, N_SLOTS, SAMPLING
 from test_agent_loop import N_PAGES, play
 
 from agentrl_jax.model.chunked import ChunkSpec, sequence_logprobs

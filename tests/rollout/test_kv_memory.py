@@ -6,7 +6,7 @@ import random
 import jax
 import numpy as np
 import pytest
-from conftest import CFG
+from rollout_setup import CFG
 
 from agentrl_jax.envs.base import StepResult
 from agentrl_jax.rollout.agent_loop import AgentLoop, run_episodes

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import CFG, SAMPLING
+from rollout_setup import CFG, SAMPLING
 
 from agentrl_jax.model.transformer import Transformer
 from agentrl_jax.precision import get_policy

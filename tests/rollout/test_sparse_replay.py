@@ -4,7 +4,7 @@ under a parity policy with replay, together with KV eviction and int8 pages."""
 import jax
 import numpy as np
 import pytest
-from conftest import CFG, N_SLOTS, SAMPLING
+from rollout_setup import CFG, N_SLOTS, SAMPLING
 from test_agent_loop import play
 
 from agentrl_jax.model.chunked import ChunkSpec, sequence_logprobs
