@@ -6,8 +6,11 @@ Prints one JSON line per measurement (``variant``):
     ``steps_per_hour``, ``tokens_per_s`` (rolled-out tokens over step wall time), ``step_s``
     (median, min, max over the measured steps), what each side takes per step (``rollout_s``:
     the rollouts' wall time, ``update_s``, ``tool_s``: wall time inside ``env.step``, summed
-    over calls, and each over ``step_s`` as ``*_share``), the async waits and lag, and
-    ``speedup_async_vs_sync`` (steps per hour over the k=0 line's, same env);
+    over calls, and each over ``step_s`` as ``*_share``), the CPU time per step of this
+    process (``cpu_s``) and of its finished subprocesses (``child_cpu_s``: the sandboxed test
+    runs) and ``cores_busy`` (both over the measured wall time: 2.0 is two full cores), the
+    async waits and lag, and ``speedup_async_vs_sync`` (steps per hour over the k=0 line's,
+    same env);
   * ``heldout``: held-out success after the same RL steps at k=0 and k=1 from the same start
     (the coderepair runs above), the paired difference and its standard error;
   * ``resume``: ``resume_bitwise`` of an async run (k=2, mid-batch switches) checkpointed and
@@ -191,13 +194,18 @@ def throughput(env_name, sections, params, k, steps, warmup) -> tuple[dict, RLRu
     walls, rows = [], []
     for step in range(warmup + steps):
         if step == warmup:
-            tool0 = clock[0]
+            tool0, cpu0 = clock[0], os.times()
         t0 = time.perf_counter()
         m = run.step(step)
         walls.append(time.perf_counter() - t0)
         rows.append(m)
+    cpu1 = os.times()
     measured, ms = walls[warmup:], rows[warmup:]
     total = sum(measured)
+    cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    child = (cpu1.children_user - cpu0.children_user) + (
+        cpu1.children_system - cpu0.children_system
+    )
     med = lambda key: statistics.median(m.get(key, 0.0) for m in ms)  # noqa: E731
     tokens = sum(m["rollout_tokens_per_s"] * m["rollout_s"] for m in ms)
     step_s = statistics.median(measured)
@@ -218,6 +226,9 @@ def throughput(env_name, sections, params, k, steps, warmup) -> tuple[dict, RLRu
         "rollout_s": round(med("rollout_s"), 3),
         "update_s": round(med("update_s"), 3),
         "tool_s": round((clock[0] - tool0) / steps, 3),
+        "cpu_s": round(cpu / steps, 3),
+        "child_cpu_s": round(child / steps, 3),
+        "cores_busy": round((cpu + child) / total, 2),
     }
     for key in ("rollout_s", "update_s", "tool_s"):
         line[f"{key[:-2]}_share"] = round(line[key] / step_s, 3)

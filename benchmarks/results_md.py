@@ -178,7 +178,8 @@ COLUMNS: dict[str, str] = {
         "env; max_staleness=k; env_overlap=env overlap; sync_every_rounds=switch every; "
         "steps_per_hour=steps/h; "
         "tokens_per_s=tok/s; step_s=step s; rollout_s=rollout s; update_s=update s; "
-        "tool_s=tool s; tool_share=tool share (of step); learner_wait_s=learner wait s; "
+        "tool_s=tool s; tool_share=tool share (of step); cpu_s=CPU s; child_cpu_s=test runs CPU s; "
+        "cores_busy=cores busy; learner_wait_s=learner wait s; "
         "rollout_wait_s=rollout wait s; lag_mean=lag; speedup_async_vs_sync=speedup vs k=0"
     ),
     "async_rl:heldout": (
