@@ -25,11 +25,11 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # collection order (`--dist loadfile`), and a long file handed out last leaves the other
 # worker idle at the end. Measured with `pytest --durations=0`; the rest keep their order.
 LONGEST_FIRST = (
+    "tests/model/test_transformer.py",
     "tests/train/test_rl_loop.py",
     "tests/train/test_mesh.py",
-    "tests/model/test_transformer.py",
+    "tests/kernels/test_paged_decode_kernel.py",
     "tests/train/test_async_rl.py",
-    "tests/rollout/test_kv_memory.py",
     "tests/rollout/test_decode_kernel.py",
 )
 
