@@ -75,22 +75,29 @@ def data_to_key(data: Any, impl: str | None = None) -> jax.Array:
 class _OrbaxTaskNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        return not (msg.startswith("Task exception was never retrieved") and "orbax" in msg)
+        unread = msg.startswith(("Task exception", "Future exception"))
+        ours = "orbax" in msg or "tensorstore" in msg
+        return not (unread and "never retrieved" in msg and ours)
 
 
 def _quiet_reads_of_a_failed_restore() -> None:
     """Silences (from now on) the tracebacks of the reads a failed restore leaves behind:
     orbax stops at the first failed read and closes its event loop while the others are still
-    pending; each prints an unraisable ``RuntimeError('Event loop is closed')`` when it ends, and
-    asyncio logs orbax tasks whose error nobody retrieved. The one-line report of the step
-    says what failed. Any other unraisable exception or asyncio error is still reported."""
+    pending; each prints an unraisable ``RuntimeError('Event loop is closed')`` (or, closed
+    unfinished, its own read error) when it ends, and asyncio logs orbax tasks whose error
+    nobody retrieved. The one-line report of the step says what failed. Any other unraisable
+    exception or asyncio error is still reported.
+    Installed before a restore starts: a pending read can end before the restore's exception
+    reaches its handler."""
     previous = sys.unraisablehook
     if getattr(previous, "_drops_closed_loop", False):
         return
 
     def hook(unraisable):
         e = unraisable.exc_value
-        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+        code = getattr(getattr(unraisable, "object", None), "cr_code", None)
+        closed_loop = isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+        if not (closed_loop or (code is not None and "orbax" in code.co_filename)):
             previous(unraisable)
 
     hook._drops_closed_loop = True
@@ -287,6 +294,7 @@ class Checkpointer:
             template["extra"] = extra
         if saved is not None and opt_state is None:
             _abstract(template, saved, where)  # checks the params' shapes against the saved ones
+        _quiet_reads_of_a_failed_restore()
         try:
             if opt_state is None:  # params only: read everything onto this process's first
                 # device (whatever mesh wrote it), keep the params
@@ -296,7 +304,6 @@ class Checkpointer:
                 restore_args = ocp.args.StandardRestore(_abstract(template, saved, where))
             state = self._mngr.restore(step, args=ocp.args.Composite(state=restore_args))["state"]
         except Exception as e:  # noqa: BLE001 - truncated/missing files raise anything
-            _quiet_reads_of_a_failed_restore()
             raise UnusableCheckpoint(f"{where} is unusable: {_one_line(e)}") from e
         state = {k: state[k] for k in template}
         if saved is not None:
