@@ -15,8 +15,10 @@ have ``impl='pallas_tpu'`` (``paged_decode_tpu``, ``block_sparse_tpu``): Mosaic 
 BlockSpec index maps read scalar-prefetched block tables / block selections, so the pipeline
 DMAs only the pages / key blocks used. On CPU they run with ``interpret=True`` or
 ``interpret=pltpu.InterpretParams()`` (TPU semantics); compiled, they need a TPU backend.
-sliding_window_attention also has ``impl='cudnn'`` (GPU: ``jax.nn.dot_product_attention`` with
-its sliding-window mask).
+paged_decode_attention also has ``impl='cpu'`` (``paged_decode_cpu``): a C++ kernel through the
+XLA FFI, built on first use, that reads the pages in place on the CPU backend (and takes a block
+table per kv head). sliding_window_attention also has ``impl='cudnn'`` (GPU:
+``jax.nn.dot_product_attention`` with its sliding-window mask).
 """
 
 from agentrl_jax.kernels.block_sparse import (
@@ -33,6 +35,7 @@ from agentrl_jax.kernels.paged_decode import (
     paged_decode_attention_xla,
 )
 from agentrl_jax.kernels.paged_decode import op_shape as paged_decode_op_shape
+from agentrl_jax.kernels.paged_decode_cpu import paged_decode_attention_cpu
 from agentrl_jax.kernels.select import IMPLS, OP_IMPLS, OpShape, select_impl
 from agentrl_jax.kernels.sliding_window import (
     sliding_window_attention,
@@ -51,6 +54,7 @@ __all__ = [
     "compact_pages",
     "normalize_block_indices",
     "paged_decode_attention",
+    "paged_decode_attention_cpu",
     "paged_decode_attention_reference",
     "paged_decode_attention_xla",
     "paged_decode_op_shape",

@@ -33,6 +33,7 @@ from agentrl_jax.kernels.attention_math import (
     masked_logsumexp,
     masked_softmax,
 )
+from agentrl_jax.kernels.paged_decode_cpu import paged_decode_attention_cpu
 from agentrl_jax.kernels.paged_decode_pallas import paged_decode_attention_pallas
 from agentrl_jax.kernels.paged_decode_tpu import paged_decode_attention_pallas_tpu
 from agentrl_jax.kernels.select import OpShape, dtype_name, select_impl
@@ -365,8 +366,10 @@ def paged_decode_attention(
         :func:`combine_attention`.
       impl: 'xla', 'pallas' (split-K generic kernel gathering pages through the block table:
         Triton on GPU, interpret mode on CPU), 'pallas_tpu' (scalar-prefetch Mosaic kernel:
-        the block table drives the page DMAs) or 'auto' (``select.select_impl``: the Triton
-        kernel on GPU and the Mosaic one on TPU where they fit, else XLA; XLA on CPU).
+        the block table drives the page DMAs), 'cpu' (the C++ kernel of
+        ``paged_decode_cpu``: pages read in place, no gathered copy; CPU backend) or 'auto'
+        (``select.select_impl``: the Triton kernel on GPU and the Mosaic one on TPU where they
+        fit, else XLA; the C++ kernel on CPU where it builds, else XLA).
       interpret: run the Pallas kernel in interpret mode (CPU testing): True, or for
         'pallas_tpu' also ``pltpu.InterpretParams()`` (TPU semantics).
 
@@ -392,6 +395,8 @@ def paged_decode_attention(
     args = (q, k_pages, v_pages, block_tables, lengths)
     if impl == "xla":
         return paged_decode_attention_xla(*args, **kwargs)
+    if impl == "cpu":
+        return paged_decode_attention_cpu(*args, **kwargs)
     if impl == "pallas_tpu":
         return paged_decode_attention_pallas_tpu(*args, interpret=interpret, **kwargs)
     return paged_decode_attention_pallas(*args, interpret=interpret, **kwargs)

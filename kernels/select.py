@@ -8,7 +8,9 @@ exists for the op), so a caller can still force a kernel and see its error.
 
 The rule, per backend:
 
-* ``cpu``: 'xla' (Pallas runs there only in interpret mode, which is for testing).
+* ``cpu``: paged decode: 'cpu' (the C++ kernel of ``paged_decode_cpu``, read in place from the
+  page pool) when it builds here, else 'xla'; the other ops: 'xla' (Pallas runs there only in
+  interpret mode, which is for testing).
 * ``gpu``: sliding-window / dense causal attention: 'cudnn' (``jax.nn.dot_product_attention``
   with its sliding-window mask) for bf16/fp16 inputs with head_dim a multiple of 8 up to 128,
   else the Triton kernel ('pallas') where Triton can tile it (head_dim a power of two >= 16),
@@ -26,14 +28,15 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from agentrl_jax.kernels import paged_decode_cpu
 
 OPS = ("sliding_window", "block_sparse", "paged_decode")
-IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "cudnn")
+IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "cudnn", "cpu")
 # Concrete impls each op has ('auto' resolves to one of them).
 OP_IMPLS = {
     "sliding_window": ("xla", "pallas", "cudnn"),
     "block_sparse": ("xla", "pallas", "pallas_tpu"),
-    "paged_decode": ("xla", "pallas", "pallas_tpu"),
+    "paged_decode": ("xla", "pallas", "pallas_tpu", "cpu"),
 }
 # Prefetched scalar tables of the TPU kernels share SMEM (1 MiB per core from TPU v4 on) with
 # the kernel's own scalars: keep them to three quarters of it.
@@ -143,7 +146,7 @@ def select_impl(
         return impl
     backend = backend or current_backend()
     if backend not in ("gpu", "tpu"):
-        return "xla"
+        return "cpu" if op == "paged_decode" and paged_decode_cpu.available() else "xla"
     if shape is None:
         raise ValueError(f"impl='auto' for {op} on {backend} needs the call's OpShape")
     if backend == "gpu":

@@ -198,7 +198,7 @@ def _int8_at(meta: dict, policy: DTypePolicy, s: int, page: int) -> jax.Array | 
 POOL_BUCKET_RATIO = 2.0  # page-count buckets of the compacted per-pool calls (pool_call)
 
 
-def pool_call(call, tables: jax.Array, visible: jax.Array, page: int):
+def pool_call(call, tables: jax.Array, visible: jax.Array, page: int, bucketed: bool = True):
     """``call(tables, lengths, kv_mask)`` of the paged decode kernel over only the pages of
     ``tables`` (int32 [..., J]) that hold a key of ``visible`` (bool [..., J * page]).
 
@@ -206,10 +206,13 @@ def pool_call(call, tables: jax.Array, visible: jax.Array, page: int):
     first ``n`` of them, ``n`` the smallest bucket (:func:`page_buckets`, each about half the
     next: one compiled kernel call per bucket and pool, and buckets 1.25x apart compiled about
     twice as long for the same decode time) holding every row's: the kernel reads one pool's
-    pages only, and the XLA path gathers ``n`` pages, not J.
+    pages only, and the XLA path gathers ``n`` pages, not J. ``bucketed`` false: one call
+    over all J (the C++ kernel stops at each row's length by itself).
     """
     t, lengths, mask, pages = kernels.compact_pages(tables, visible, page)
     fn = lambda n: call(t[..., :n], lengths, mask[..., : n * page])  # noqa: E731
+    if not bucketed:
+        return fn(tables.shape[-1])
     return over_page_buckets(fn, pages, tables.shape[-1], POOL_BUCKET_RATIO)
 
 
@@ -274,10 +277,30 @@ def _sparse_decode(
     if int8 is not None:
         use8 = jnp.repeat(jnp.take_along_axis(int8[1][:, None, :], slot, axis=2), bs, axis=2)
 
+    native = kernels.select_impl(
+        "paged_decode", policy.kernel_impl, kernels.paged_decode_op_shape(q[:, 0], pool_k, tables)
+    ) == "cpu"  # fmt: skip
+
     def attend(pk, pv, bt, scales):  # the kernel per kv head over one pool viewed as blocks
         blocks_of = lambda x: x.reshape(x.shape[0] * per_page, bs, kh, h)  # noqa: E731 (free)
         kb, vb = blocks_of(pk), blocks_of(pv)
         sc = None if scales is None else [jnp.repeat(x, per_page, axis=0) for x in scales]
+        if native:  # the C++ kernel takes a block table per kv head: one call, no buckets
+            kw = {} if sc is None else dict(k_scales=sc[0], v_scales=sc[1])
+
+            def run_native(t, ln, m, return_lse):  # [B, K, n], [B, K], [B, K, n * bs]
+                return kernels.paged_decode_attention_cpu(
+                    q[:, 0], kb, vb, t, ln, kv_mask=m, return_lse=return_lse, **kw
+                )
+
+            if keep is None and int8 is None:  # the used blocks lead, in order: no key mask
+                return lambda vis, return_lse: run_native(block_ids(bt), vlen, None, return_lse)
+
+            def call_native(vis, return_lse):
+                fn = lambda t, ln, m: run_native(t, ln, m, return_lse)  # noqa: E731
+                return pool_call(fn, block_ids(bt), vis, bs, bucketed=False)
+
+            return call_native
 
         def run(t, ln, m, return_lse):  # blocks [B, K, n], lengths [B, K], mask [B, K, n * bs]
             def one_head(qk, kp, vp, bt, ln, m, s):  # [B, G, H], [Pb, bs, H] x2, [B, n] ...
@@ -342,10 +365,13 @@ def over_page_buckets(fn, pages: jax.Array, max_pages: int, ratio: float = 1.25)
     return jax.lax.switch(index, [lambda n=n: fn(n) for n in sizes])
 
 
-def over_live_pages(fn, tables: jax.Array, new_len: jax.Array, page: int):
+def over_live_pages(fn, tables: jax.Array, new_len: jax.Array, page: int, bucketed: bool = True):
     """``fn(n)`` for the smallest bucket ``n`` (:func:`page_buckets`) holding every slot's pages.
 
     ``fn(n)`` may read only the first ``n`` block-table entries: pages past every slot's length
     are masked anyway, so decode cost follows the longest live slot instead of ``max_len``.
+    ``bucketed`` false: ``fn`` of the whole table (a kernel that stops at the lengths itself).
     """
+    if not bucketed:
+        return fn(tables.shape[1])
     return over_page_buckets(fn, -(-new_len // page), tables.shape[1])

@@ -283,6 +283,8 @@ def _kernel_dense(ch: _Chunk) -> jax.Array:
     the first live pages; else one call per pool merged by log-sum-exp, each over only the
     pages of its pool that hold a visible key (``model.paged.pool_call``)."""
     q, lens, impl, page = ch.q[:, 0], ch.new_len, ch.policy.kernel_impl, ch.page
+    shape = kernels.paged_decode_op_shape(q, ch.k, ch.tables)
+    bucketed = kernels.select_impl("paged_decode", impl, shape) != "cpu"  # stops at lengths
 
     def kernel(k, v, scales, lse):  # (tables, lengths, kv_mask) -> the kernel on one pool
         return lambda t, ln, m: kernels.paged_decode_attention(
@@ -292,11 +294,12 @@ def _kernel_dense(ch: _Chunk) -> jax.Array:
 
     if ch.int8 is None and ch.keep is None:  # every live page is visible: no key mask
         run = kernel(ch.k, ch.v, (None, None), False)
-        return over_live_pages(lambda n: run(ch.tables[:, :n], lens, None), ch.tables, lens, page)
+        fn = lambda n: run(ch.tables[:, :n], lens, None)  # noqa: E731
+        return over_live_pages(fn, ch.tables, lens, page, bucketed)
     visible = ch.visible()
 
     def attend(k, v, tables, scales):
-        return lambda vis, lse: pool_call(kernel(k, v, scales, lse), tables, vis, page)
+        return lambda vis, lse: pool_call(kernel(k, v, scales, lse), tables, vis, page, bucketed)
 
     attend_float = attend(ch.k, ch.v, ch.tables, (None, None))
     if ch.int8 is None:

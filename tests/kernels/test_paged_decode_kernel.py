@@ -12,6 +12,7 @@ from agentrl_jax.kernels import (
     compact_pages,
     paged_decode_attention,
     paged_decode_attention_reference,
+    paged_decode_cpu,
 )
 from agentrl_jax.kernels.paged_decode_pallas import (
     BlockSizes,
@@ -28,6 +29,7 @@ fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimizatio
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 IMPLS = {
     "xla": functools.partial(paged_decode_attention, impl="xla"),
+    "cpu": functools.partial(paged_decode_attention, impl="cpu"),  # the C++ kernel
     "pallas": functools.partial(paged_decode_attention_pallas, interpret=True),
     # Two pages per step, two or four per split: tail steps past the owned pages, several
     # splits per sequence and empty splits, merged by the combine.
@@ -38,6 +40,13 @@ IMPLS = {
         paged_decode_attention_pallas, block_sizes=BlockSizes(2, 4), interpret=True
     ),
 }
+# the C++ kernel's cases need it built (a C++ compiler)
+CPU = pytest.param(
+    "cpu",
+    marks=pytest.mark.skipif(
+        not paged_decode_cpu.available(), reason=str(paged_decode_cpu.unavailable_reason())
+    ),
+)
 PAGE, MAX_PAGES, NUM_PAGES = 4, 5, 32
 # Ragged lengths: a single token, a full last page, a partial page, the full table, empty.
 LENGTHS = [1, 8, 13, MAX_PAGES * PAGE, 0]
@@ -101,7 +110,7 @@ def _check(impl, dtype, window, q, k, v, tables, lengths, scales):
     )
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas", "pallas-splits"])
+@pytest.mark.parametrize("impl", ["xla", CPU, "pallas", "pallas-splits"])
 @pytest.mark.parametrize(
     "g,window,dtype",
     [(1, None, jnp.float32), (4, 6, jnp.bfloat16), (8, 1, jnp.float32), (4, None, jnp.bfloat16)],
@@ -110,7 +119,7 @@ def test_matches_reference(impl, g, window, dtype):
     _check(impl, dtype, window, *_inputs(2, g, 16, dtype, seed=g))
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas", "pallas-2pages"])
+@pytest.mark.parametrize("impl", ["xla", CPU, "pallas", "pallas-2pages"])
 @pytest.mark.parametrize("window,dtype", [(None, jnp.float32), (6, jnp.bfloat16)])
 def test_int8_pages_match_reference(impl, window, dtype):
     _check(impl, dtype, window, *_inputs(2, 4, 16, dtype, seed=3, int8=True))
@@ -257,7 +266,7 @@ def _check_lse(fn, dtype, window, q, k, v, tables, lengths, scales, kv_mask):
     )
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas", "pallas-splits"])
+@pytest.mark.parametrize("impl", ["xla", CPU, "pallas", "pallas-splits"])
 @pytest.mark.parametrize(
     "window,dtype,int8", [(None, jnp.float32, False), (6, jnp.bfloat16, False),
                           (None, jnp.bfloat16, True), (9, jnp.float32, True)],
@@ -317,7 +326,7 @@ def _two_pools(dtype, seed):
     )
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas-splits", "pallas_tpu"])
+@pytest.mark.parametrize("impl", ["xla", CPU, "pallas-splits", "pallas_tpu"])
 @pytest.mark.parametrize("window,dtype", [(None, jnp.float32), (9, jnp.bfloat16)])
 def test_float_and_int8_pools_combine_to_the_union(impl, window, dtype):
     """A float-pool call and an int8-pool call, merged by lse, equal attention over the union
@@ -377,7 +386,7 @@ def test_compact_pages_matches_numpy_loop():
         compact_pages(jnp.asarray(tables), jnp.asarray(visible), 0)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas-splits", "pallas_tpu"])
+@pytest.mark.parametrize("impl", ["xla", CPU, "pallas-splits", "pallas_tpu"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_compacted_pools_combine_to_the_union(impl, dtype):
     """Each pool's call over a table of only its pages holding a visible key (the bucket's

@@ -1,14 +1,15 @@
 """select_impl: the rule behind impl='auto', per op, backend, shapes and dtype."""
 
 import pytest
-from agentrl_jax.kernels import OP_IMPLS, OpShape, select_impl
+from agentrl_jax.kernels import OP_IMPLS, OpShape, paged_decode_cpu, select_impl
 
 BF16 = dict(head_dim=128, group=4, dtype="bfloat16", seq_len=2048, batch=1, kv_heads=4)
 
 
-def test_cpu_is_xla_and_explicit_impls_pass_through():
+def test_cpu_is_xla_but_paged_decode_and_explicit_impls_pass_through():
     for op in OP_IMPLS:
-        assert select_impl(op, "auto", backend="cpu") == "xla"
+        native = op == "paged_decode" and paged_decode_cpu.available()  # the C++ kernel
+        assert select_impl(op, "auto", backend="cpu") == ("cpu" if native else "xla")
         for impl in OP_IMPLS[op]:
             assert select_impl(op, impl, backend="tpu") == impl  # explicit: as asked
 

@@ -1,12 +1,14 @@
 """Decode through the paged decode kernel with an int8 pool and an eviction mask: the same
 numbers as the gathered / masked chunk path (up to the kernel tests' tolerance)."""
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from agentrl_jax.kernels import paged_decode_cpu
 
 from agentrl_jax import kernels
 from agentrl_jax.model.config import ModelConfig
@@ -71,6 +73,27 @@ def _case(policy, int8: bool, evict: bool, gather: bool, seed: int = 0):
     return (q, kd, vd, pos, cache, meta, jnp.ones((b, 1), bool), jnp.asarray(lengths + 1))
 
 
+def spy_kernels(monkeypatch) -> list:
+    """Records (page dtype, kv_mask given, return_lse, impl) of each paged decode call: through
+    the dispatcher, or the C++ kernel called directly (sparse decode: a table per kv head)."""
+    calls = []
+
+    def spy(name, impl):
+        real = getattr(kernels, name)
+
+        def call(*a, **kw):
+            mask, lse = kw.get("kv_mask") is not None, kw.get("return_lse", False)
+            resolved = kernels.select_impl("paged_decode", kw.get("impl", impl))
+            calls.append((a[1].dtype, mask, lse, resolved))
+            return real(*a, **kw)
+
+        monkeypatch.setattr(kernels, name, call)
+
+    spy("paged_decode_attention", "auto")
+    spy("paged_decode_attention_cpu", "cpu")
+    return calls
+
+
 @pytest.mark.parametrize(
     "kind,gather,int8,evict,policy",
     [
@@ -83,18 +106,12 @@ def _case(policy, int8: bool, evict: bool, gather: bool, seed: int = 0):
         ("F", True, True, False, "bf16"),
     ],
 )
-def test_kernel_decode_matches_chunk_path(monkeypatch, kind, gather, int8, evict, policy):
-    pol = get_policy(policy)
+@pytest.mark.parametrize("impl", ["xla", "auto"])  # auto: the C++ kernel where it builds
+def test_kernel_decode_matches_chunk_path(monkeypatch, kind, gather, int8, evict, policy, impl):
+    pol = dataclasses.replace(get_policy(policy), kernel_impl=impl)
     cfg = CFG.replace(sparse_gather=gather)
     args = _case(pol, int8, evict, gather, seed=len(kind) + 2 * int8 + 3 * evict + 5 * gather)
-    calls = []
-    real = kernels.paged_decode_attention
-
-    def spy(*a, **kw):
-        calls.append((a[1].dtype, kw.get("kv_mask") is not None, kw.get("return_lse", False)))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(kernels, "paged_decode_attention", spy)
+    calls = spy_kernels(monkeypatch)
 
     @jax.jit
     def both(*a):
@@ -105,6 +122,8 @@ def test_kernel_decode_matches_chunk_path(monkeypatch, kind, gather, int8, evict
 
     (ref, ref_cache), (got, got_cache) = both(*args)
     assert calls, "the kernel path was not taken"
+    native = impl == "auto" and paged_decode_cpu.available()
+    assert {c[3] for c in calls} == {"cpu" if native else impl}
     if int8:  # one float-pool and one int8-pool call per page bucket, merged by lse
         assert {c[0] for c in calls} == {jnp.dtype(pol.compute), jnp.dtype(jnp.int8)}
         assert all(c[1] and c[2] for c in calls)
@@ -122,31 +141,31 @@ def test_kernel_decode_matches_chunk_path(monkeypatch, kind, gather, int8, evict
 
 
 @pytest.mark.parametrize("int8", [True, False])
-def test_sparse_kernel_loop_over_heads_equals_the_vmap(monkeypatch, int8):
-    """The XLA implementation reads each kv head's selected blocks in a loop of kernel calls;
-    the Pallas ones vmap the kernel over the heads. Both give the same numbers (here the vmap
-    branch is forced while the kernel itself still runs XLA)."""
-    pol, cfg = get_policy("fp32"), CFG.replace(sparse_gather=True)
-    args = _case(pol, int8, True, True, seed=7 + int8)
-    real, calls = kernels.paged_decode_attention, []
+def test_sparse_kernel_per_head_calls_equal_one_call(monkeypatch, int8):
+    """Sparse decode reads each kv head's own selected blocks. The XLA implementation: a loop of
+    kernel calls, one per head; the Pallas ones vmap the kernel over the heads (forced here while
+    the kernel itself still runs XLA); the C++ kernel: one call with a block table per head.
+    All give the same numbers."""
+    args = _case(get_policy("fp32"), int8, True, True, seed=7 + int8)
+    cfg = CFG.replace(sparse_gather=True)
+    calls = spy_kernels(monkeypatch)
 
-    def spy(*a, **kw):
-        calls.append(a[0].shape)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(kernels, "paged_decode_attention", spy)
-
-    def run():
+    def run(impl):
         calls.clear()
+        pol = dataclasses.replace(get_policy("fp32"), kernel_impl=impl)
         fn = functools.partial(paged_chunk, cfg=cfg, policy=pol, kind="F", decode_kernel=True)
         out, _ = jax.jit(fn)(*args, jnp.int32(0))
         return np.asarray(out), len(calls)
 
-    looped, n_loop = run()
+    looped, n_loop = run("xla")
+    native, n_native = run("auto") if paged_decode_cpu.available() else (looped, None)
     monkeypatch.setattr(kernels, "select_impl", lambda *a, **k: "pallas")  # the vmap branch
-    vmapped, n_vmap = run()
-    assert n_loop == CFG.n_kv_heads * n_vmap > 0  # one call per head against one per pool
+    vmapped, n_vmap = run("xla")
+    assert n_loop == CFG.n_kv_heads * n_vmap > 0  # per pool and bucket: one call per head / one
     np.testing.assert_allclose(looped, vmapped, **TOL["fp32"])
+    if n_native is not None:
+        assert n_native == 1 + int8  # one call per pool (no page buckets: it stops at lengths)
+        np.testing.assert_allclose(native, looped, **TOL["fp32"])
 
 
 def test_mass_and_sinks_keep_the_chunk_path(monkeypatch):

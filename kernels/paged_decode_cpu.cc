@@ -1,0 +1,288 @@
+// Paged decode attention for the CPU backend, called through the XLA FFI
+// (kernels/paged_decode_cpu.py builds, loads and documents it).
+//
+// One query token per sequence attends to its cached keys read in place from the page pool:
+// no gathered copy of the pages, two passes per (sequence, kv head) row (scores over the keys,
+// then the probability-weighted values), float32 arithmetic whatever the page dtype.
+// Rows are spread over XLA's intra-op thread pool.
+//
+// Shapes (B sequences, N query heads, K kv heads, G = N / K, H head dim, P pages, L page size,
+// J block-table width; a leading dim of 1 in place of K means "the same for every kv head"):
+//   q f32 [B, N, H]; k_pages, v_pages [P, L, K, H] f32 | bf16 | s8;
+//   k_scales, v_scales f32 [P, K] (s8 pages; else a [1, 1] placeholder);
+//   tables s32 [B, K or 1, J]; lengths s32 [B, K or 1]; kv_mask pred [B, K or 1, J * L]
+//   (used iff use_mask);
+//   out f32 [B, N, H]; lse f32 [B, N] (-inf and out 0 where no key is visible).
+// Key t of a row (logical position, t = j * L + o for page slot j) is visible iff
+//   max(0, length - window) <= t < length (window 0: no window) and kv_mask[t].
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kMaxGroup = 64;   // G
+constexpr int64_t kMaxHeadDim = 512;  // H
+
+struct Call {
+  const float* q;
+  const void* k;
+  const void* v;
+  const float* k_scales;  // null for float pages
+  const float* v_scales;
+  const int32_t* tables;
+  const int32_t* lengths;
+  const bool* mask;  // null: no key mask
+  float* out;
+  float* lse;
+  int64_t B, N, H, P, L, K, J, G;
+  int64_t tables_k, lengths_k, mask_k;  // K or 1
+  int64_t window;
+  float scale;
+};
+
+// exp(x) for x <= 0, 0 below -87 (-inf included): Cody-Waite range reduction and the classic
+// degree-5 minimax polynomial (relative error about 1e-7); branch-free, so loops vectorise.
+inline float ExpNonPositive(float x) {
+  const bool under = !(x > -87.0f);
+  x = under ? 0.0f : x;
+  const float round = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to integer
+  const float n = (x * 1.44269504088896341f + round) - round;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return under ? 0.0f : e * two_n;
+}
+
+template <typename T>
+inline float Load(const T* x, int64_t i);
+template <>
+inline float Load<float>(const float* x, int64_t i) {
+  return x[i];
+}
+template <>
+inline float Load<int8_t>(const int8_t* x, int64_t i) {
+  return static_cast<float>(x[i]);
+}
+template <>
+inline float Load<uint16_t>(const uint16_t* x, int64_t i) {  // bfloat16 bits
+  const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// One (sequence b, kv head kh) row: its G query heads against its visible keys.
+template <typename T>
+void Row(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
+  const int64_t G = c.G, H = c.H, L = c.L, K = c.K;
+  const T* kp = static_cast<const T*>(c.k);
+  const T* vp = static_cast<const T*>(c.v);
+  const float* q = c.q + (b * c.N + kh * G) * H;
+  float* out = c.out + (b * c.N + kh * G) * H;
+  float* lse = c.lse + b * c.N + kh * G;
+  const int64_t len = std::clamp<int64_t>(
+      c.lengths[b * c.lengths_k + (c.lengths_k > 1 ? kh : 0)], 0, c.J * L);
+  const int64_t lo = c.window > 0 ? std::max<int64_t>(0, len - c.window) : 0;
+  const int32_t* table = c.tables + (b * c.tables_k + (c.tables_k > 1 ? kh : 0)) * c.J;
+  const bool* mask =
+      c.mask ? c.mask + (b * c.mask_k + (c.mask_k > 1 ? kh : 0)) * c.J * L : nullptr;
+  const int64_t j0 = lo / L, j1 = (len + L - 1) / L, n_keys = (j1 - j0) * L;
+  if (n_keys <= 0) {
+    std::fill(out, out + G * H, 0.0f);
+    std::fill(lse, lse + G, -INFINITY);
+    return;
+  }
+  auto page = [&](int64_t j) { return std::clamp<int64_t>(table[j], 0, c.P - 1); };
+  auto row = [&](int64_t p, int64_t o) { return ((p * L + o) * K + kh) * H; };
+  auto prefetch = [&](const T* pool, int64_t j) {  // page j's rows of this head, ahead of use
+    if (j >= j1) return;
+    const int64_t p = page(j);
+    const int64_t line = 64 / static_cast<int64_t>(sizeof(T));
+    for (int64_t o = 0; o < L; ++o)
+      for (int64_t h = 0; h < H; h += line) __builtin_prefetch(pool + row(p, o) + h);
+  };
+
+  // pass 1: scaled scores of the visible keys (-inf elsewhere), per query head
+  scores.resize(G * n_keys);
+  for (int64_t j = j0; j < j1; ++j) {
+    prefetch(kp, j + 2);
+    const int64_t p = page(j);
+    const float ks = c.k_scales ? c.k_scales[p * K + kh] * c.scale : c.scale;
+    for (int64_t o = 0; o < L; ++o) {
+      const int64_t t = j * L + o, i = t - j0 * L;
+      const bool visible = t >= lo && t < len && (!mask || mask[t]);
+      const T* key = kp + row(p, o);
+      for (int64_t g = 0; g < G; ++g) {
+        float d = 0.0f;
+        if (visible) {
+          const float* qg = q + g * H;
+#pragma omp simd reduction(+ : d)
+          for (int64_t h = 0; h < H; ++h) d += qg[h] * Load(key, h);
+        }
+        scores[g * n_keys + i] = visible ? d * ks : -INFINITY;
+      }
+    }
+  }
+  // softmax numerators in place, their sums and the row maxima
+  float row_max[kMaxGroup], denom[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores.data() + g * n_keys;
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n_keys; ++i) m = std::max(m, s[i]);
+    const float shift = m == -INFINITY ? 0.0f : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n_keys; ++i) {
+      const float e = ExpNonPositive(s[i] - shift);
+      s[i] = e;
+      sum += e;
+    }
+    row_max[g] = m;
+    denom[g] = sum;
+  }
+  // pass 2: probability-weighted values
+  float acc[kMaxGroup * kMaxHeadDim];
+  std::fill(acc, acc + G * H, 0.0f);
+  for (int64_t j = j0; j < j1; ++j) {
+    prefetch(vp, j + 2);
+    const int64_t p = page(j);
+    const float vs = c.v_scales ? c.v_scales[p * K + kh] : 1.0f;
+    for (int64_t o = 0; o < L; ++o) {
+      const int64_t i = j * L + o - j0 * L;
+      const T* val = vp + row(p, o);
+      for (int64_t g = 0; g < G; ++g) {
+        const float w = scores[g * n_keys + i];
+        if (w == 0.0f) continue;
+        const float wv = w * vs;
+        float* a = acc + g * H;
+#pragma omp simd
+        for (int64_t h = 0; h < H; ++h) a[h] += wv * Load(val, h);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const bool seen = denom[g] > 0.0f;
+    const float inv = seen ? 1.0f / denom[g] : 0.0f;
+    for (int64_t h = 0; h < H; ++h) out[g * H + h] = acc[g * H + h] * inv;
+    lse[g] = seen ? row_max[g] + std::log(denom[g]) : -INFINITY;
+  }
+}
+
+// Rows handed out by an atomic counter to the calling thread and to helpers on XLA's pool.
+// The caller waits only for rows to finish, never for a helper to start (the pool may be busy
+// with other ops that wait too), and the shared state outlives late helpers.
+struct Work {
+  Call call;
+  void (*row)(const Call&, int64_t, int64_t, std::vector<float>&);
+  int64_t rows;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+
+  void Run() {
+    std::vector<float> scores;
+    for (int64_t r; (r = next.fetch_add(1)) < rows;) {
+      row(call, r / call.K, r % call.K, scores);
+      if (done.fetch_add(1) + 1 == rows) {
+        std::lock_guard<std::mutex> lock(mu);
+        cv.notify_all();
+      }
+    }
+  }
+};
+
+ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                       ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales,
+                       ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> tables,
+                       ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::PRED> kv_mask,
+                       ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
+                       float scale, int64_t window, bool use_mask) {
+  const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = tables.dimensions();
+  const auto ld = lengths.dimensions(), md = kv_mask.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 3 || ld.size() != 2 || md.size() != 3)
+    return ffi::Error::InvalidArgument("paged_decode_cpu: operand ranks differ from the contract");
+  const auto dtype = k_pages.element_type();
+  if (v_pages.element_type() != dtype)
+    return ffi::Error::InvalidArgument("paged_decode_cpu: k and v pages differ in dtype");
+  Call c{};
+  c.q = q.typed_data();
+  c.k = k_pages.untyped_data();
+  c.v = v_pages.untyped_data();
+  const bool int8 = dtype == ffi::DataType::S8;
+  c.k_scales = int8 ? k_scales.typed_data() : nullptr;
+  c.v_scales = int8 ? v_scales.typed_data() : nullptr;
+  c.tables = tables.typed_data();
+  c.lengths = lengths.typed_data();
+  c.mask = use_mask ? kv_mask.typed_data() : nullptr;
+  c.out = out->typed_data();
+  c.lse = lse->typed_data();
+  c.B = qd[0], c.N = qd[1], c.H = qd[2];
+  c.P = kd[0], c.L = kd[1], c.K = kd[2];
+  c.J = td[2], c.tables_k = td[1], c.lengths_k = ld[1], c.mask_k = md[1];
+  c.G = c.N / c.K;
+  c.window = window;
+  c.scale = scale;
+  if (c.G * c.K != c.N || c.G > kMaxGroup || c.H > kMaxHeadDim || kd[3] != c.H)
+    return ffi::Error::InvalidArgument("paged_decode_cpu: unsupported head counts or head dim");
+
+  auto work = std::make_shared<Work>();
+  work->call = c;
+  work->rows = c.B * c.K;
+  if (dtype == ffi::DataType::F32) {
+    work->row = &Row<float>;
+  } else if (dtype == ffi::DataType::BF16) {
+    work->row = &Row<uint16_t>;
+  } else if (int8) {
+    work->row = &Row<int8_t>;
+  } else {
+    return ffi::Error::InvalidArgument("paged_decode_cpu: pages must be f32, bf16 or s8");
+  }
+  if (work->rows == 0) return ffi::Error::Success();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->rows) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->cv.wait(lock, [&] { return work->done.load() == work->rows; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentrlPagedDecodeCpu, PagedDecode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()         // k_pages
+                                  .Arg<ffi::AnyBuffer>()         // v_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lengths
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // kv_mask
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window")
+                                  .Attr<bool>("use_mask"));
