@@ -229,13 +229,19 @@ def load_avg() -> float | None:
 
 
 def env_fields(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``backend``, ``devices`` and ``jax_version`` for a JSON line (imports jax)."""
+    """``backend``, ``devices``, ``jax_version`` and ``paged_decode_impl`` (what
+    ``impl='auto'`` runs for paged decode on CPU: 'cpu' where the C++ kernel builds, else
+    'xla') for a JSON line (imports jax)."""
     import jax
+    from agentrl_jax.kernels import select_impl
 
+    backend = jax.default_backend()
     out = {
-        "backend": jax.default_backend(),
+        "backend": backend,
         "devices": jax.device_count(),
         "jax_version": jax.__version__,
+        # on accelerators the choice depends on each call's shapes
+        "paged_decode_impl": select_impl("paged_decode") if backend == "cpu" else "per shape",
     }
     out.update(extra or {})
     return out

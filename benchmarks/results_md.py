@@ -100,7 +100,8 @@ COLUMNS: dict[str, str] = {
         "evicted_tokens=evicted; kv_bytes_ratio=KV bytes ratio"
     ),
     "rollout": (
-        "model; pattern; batch; policy; decode_kernel=decode kernel; new_tokens_per_s=new tok/s; "
+        "model; pattern; batch; policy; decode_kernel=decode kernel; "
+        "paged_decode_impl=paged decode; new_tokens_per_s=new tok/s; "
         "tokens_per_s=tok/s (with prompt); "
         "decode_tokens_per_s=decode tok/s; prefill_ms=prefill ms; "
         "nocache_tokens_per_s=no-cache tok/s; speedup_vs_nocache=vs no-cache; "
@@ -136,8 +137,9 @@ COLUMNS: dict[str, str] = {
     ),
     "long_context": (
         "variant; context; kv_option=KV; policy; kv_device_bytes=KV bytes; "
-        "max_context_in_pool=context in pool; decode_tokens_per_s=decode tok/s; "
-        "sparse_speedup_vs_dense=sparse vs dense; max_abs_dlogp=max abs dlogp"
+        "max_context_in_pool=context in pool; paged_decode_impl=paged decode; "
+        "decode_tokens_per_s=decode tok/s; sparse_speedup_vs_dense=sparse vs dense; "
+        "max_abs_dlogp=max abs dlogp"
     ),
     "rollout_baseline": (
         "variant; threads; tokens_per_s=tok/s; decode_tokens_per_s=decode tok/s; "

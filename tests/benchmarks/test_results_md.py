@@ -115,10 +115,11 @@ def test_render_keeps_prose_groups_by_machine_and_is_idempotent(results):
     assert "jax 0.10.2, jaxlib 0.10.2, Python 3.11.7; commit abc123" in rollout
     assert "load average (1 min) 1.8-2.4" in rollout
     assert "`python benchmarks/rollout.py --reps 3`" in rollout
-    # lines without new_tokens_per_s leave its cell empty
-    assert "| dense | D | 8 | fp32 |  |  | 4956 |" in rollout
-    assert "| dense | D | 32 | fp32 |  |  | 10910 |" in rollout and "| 20.5 |" in rollout
-    header = "| model | pattern | batch | policy | decode kernel | new tok/s | tok/s (with prompt)"
+    # lines without paged_decode_impl or new_tokens_per_s leave their cells empty
+    assert "| dense | D | 8 | fp32 |  |  |  | 4956 |" in rollout
+    assert "| dense | D | 32 | fp32 |  |  |  | 10910 |" in rollout and "| 20.5 |" in rollout
+    header = ("| model | pattern | batch | policy | decode kernel | paged decode | new tok/s | "
+              "tok/s (with prompt)")  # fmt: skip
     assert rollout.count(header) == 2
     # A benchmark without a column spec gets its unit-named keys.
     newbench = new[new.index("<!-- results:newbench -->") :]
