@@ -62,6 +62,7 @@ SUITE: dict[str, list[str]] = {
     "scaling": ["--reps", "3"],
     "long_context": ["--contexts", "8192", "--reps", "5"],
     "matmul_peak": [],
+    "decode_impls": ["--reps", "5"],
 }
 REPS_FLAGS: dict[str, tuple[str, ...]] = {
     "compile_depth": ("--reps",),
@@ -73,6 +74,7 @@ REPS_FLAGS: dict[str, tuple[str, ...]] = {
     "scaling": ("--reps",),
     "long_context": ("--reps",),
     "matmul_peak": ("--reps",),
+    "decode_impls": ("--reps",),
     "rollout_baseline": ("--reps",),
     "update_baseline": ("--reps",),
 }
@@ -140,6 +142,13 @@ COLUMNS: dict[str, str] = {
         "max_context_in_pool=context in pool; paged_decode_impl=paged decode; "
         "decode_tokens_per_s=decode tok/s; sparse_speedup_vs_dense=sparse vs dense; "
         "max_abs_dlogp=max abs dlogp"
+    ),
+    "decode_impls": (
+        "variant; same_tokens=same tokens; xla_new_tokens_per_s=XLA new tok/s; "
+        "cpu_new_tokens_per_s=C++ new tok/s; speedup_cpu_vs_xla=C++ vs XLA; "
+        "xla_masked_tokens_per_s=XLA masked tok/s; cpu_masked_tokens_per_s=C++ masked tok/s; "
+        "xla_gather_tokens_per_s=XLA gather tok/s; cpu_gather_tokens_per_s=C++ gather tok/s; "
+        "xla_sparse_vs_dense=XLA sparse vs dense; cpu_sparse_vs_dense=C++ sparse vs dense"
     ),
     "rollout_baseline": (
         "variant; threads; tokens_per_s=tok/s; decode_tokens_per_s=decode tok/s; "

@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,12 +72,26 @@ def kv_bytes_8k(mcfg, policy, page_size: int = 16, n_tokens: int = 8192) -> int:
     return layout.slot_bytes(pool.owned(0))
 
 
-def bench_one(kind, pattern, batch, args):
+class Run(NamedTuple):
+    """One shape's compiled rollout: ``full()`` (prefill + decode: (tokens, lengths)),
+    ``prefill_only()``, and what the line reports about it."""
+
+    full: Callable[[], Any]
+    prefill_only: Callable[[], Any]
+    compile_s: float
+    sampler: Sampler
+    params: Any
+    model_cfg: Any
+    chunk: int
+
+
+def build(kind: str, pattern: str, batch: int, policy, chunk: int, decode_kernel: bool) -> Run:
+    """The benchmark's rollout of ``batch`` prompts of PROMPT tokens and NEW new ones under
+    ``policy`` (a ``DTypePolicy``; parity policies decode in chunks of 4), compiled."""
     mcfg = bench_model(kind, pattern)
-    policy = get_policy(args.policy)
     model = Transformer(mcfg, policy)
     params = init_params(model, jax.random.key(0))
-    chunk = 4 if policy.parity else args.chunk
+    chunk = 4 if policy.parity else chunk
     cfg = RolloutConfig(
         max_new_tokens=NEW,
         max_len=PROMPT + NEW,
@@ -83,7 +99,7 @@ def bench_one(kind, pattern, batch, args):
         chunk=chunk,
         prefill_chunk=None if policy.parity else PROMPT,
         stop_tokens=(),
-        decode_kernel=args.decode_kernel,
+        decode_kernel=decode_kernel,
     )
     sampler = Sampler(model, cfg)
     rng = jax.random.key(1)
@@ -110,6 +126,18 @@ def bench_one(kind, pattern, batch, args):
         s, _ = pre(params, sampler.init_state(batch), toks, n_new)
         s, out = dec(params, s, rng, uids, active, budget, np.int32(batch))
         return out.tokens, s.cache["lengths"]
+
+    return Run(full, prefill_only, compile_s, sampler, params, mcfg, chunk)
+
+
+def bench_one(kind, pattern, batch, args):
+    policy = get_policy(args.policy)
+    full, prefill_only, compile_s, sampler, params, mcfg, chunk = build(
+        kind, pattern, batch, policy, args.chunk, args.decode_kernel
+    )
+    cfg, model = sampler.cfg, sampler.model
+    prompt = np.asarray(jax.random.randint(jax.random.key(2), (batch, PROMPT), 0, 1024))
+    rng = jax.random.key(1)
 
     gen, lengths = full()  # warm; the timed calls sample the same tokens
     t = time_ms(full, reps=args.reps, warmup=0)
