@@ -149,8 +149,13 @@ void Row(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores.data() + g * n_keys;
     float m = -INFINITY;
-    for (int64_t i = 0; i < n_keys; ++i) m = std::max(m, s[i]);
-    const float shift = m == -INFINITY ? 0.0f : m;
+    bool nan = false;  // a NaN score makes the row NaN, as in the reference
+    for (int64_t i = 0; i < n_keys; ++i) {
+      nan |= std::isnan(s[i]);
+      m = std::max(m, s[i]);
+    }
+    if (nan) m = NAN;
+    const float shift = std::isfinite(m) ? m : 0.0f;
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n_keys; ++i) {
@@ -182,10 +187,11 @@ void Row(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
     }
   }
   for (int64_t g = 0; g < G; ++g) {
+    const bool nan = std::isnan(row_max[g]);
     const bool seen = denom[g] > 0.0f;
-    const float inv = seen ? 1.0f / denom[g] : 0.0f;
+    const float inv = nan ? NAN : seen ? 1.0f / denom[g] : 0.0f;
     for (int64_t h = 0; h < H; ++h) out[g * H + h] = acc[g * H + h] * inv;
-    lse[g] = seen ? row_max[g] + std::log(denom[g]) : -INFINITY;
+    lse[g] = nan ? NAN : seen ? row_max[g] + std::log(denom[g]) : -INFINITY;
   }
 }
 

@@ -95,6 +95,16 @@ def test_shared_table_is_the_same_as_one_per_head():
     np.testing.assert_array_equal(shared, per_head)
 
 
+def test_a_nan_score_makes_its_row_nan_like_the_reference():
+    (q, k, v, tables, lengths), _, _ = _per_head_inputs(jnp.float32, seed=9)
+    k = k.at[tables[1, 0, 0], 2, 0].set(jnp.nan)  # a visible key of row 1, kv head 0
+    out, lse = paged_decode_attention_cpu(q, k, v, tables, lengths, return_lse=True)
+    ref, _ = _per_head_reference(q, k, v, tables, lengths, None, None, {})
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))  # that row only
+    assert np.isnan(out[1, :G]).all() and np.isnan(lse[1, :G]).all()
+    assert not np.isnan(lse[:, G:]).any() and not np.isnan(lse[0]).any()
+
+
 def test_bad_inputs_raise():
     (q, k, v, tables, lengths), mask, _ = _per_head_inputs(jnp.float32)
     with pytest.raises(ValueError, match="block_tables"):
