@@ -9,8 +9,9 @@ exists for the op), so a caller can still force a kernel and see its error.
 The rule, per backend:
 
 * ``cpu``: paged decode: 'cpu' (the C++ kernel of ``paged_decode_cpu``, read in place from the
-  page pool) when it builds here, else 'xla'; the other ops: 'xla' (Pallas runs there only in
-  interpret mode, which is for testing).
+  page pool) when it builds here and no multi-device mesh is set (it has no SPMD partitioning
+  rule), else 'xla'; the other ops: 'xla' (Pallas runs there only in interpret mode, which is
+  for testing).
 * ``gpu``: sliding-window / dense causal attention: 'cudnn' (``jax.nn.dot_product_attention``
   with its sliding-window mask) for bf16/fp16 inputs with head_dim a multiple of 8 up to 128,
   else the Triton kernel ('pallas') where Triton can tile it (head_dim a power of two >= 16),
@@ -119,6 +120,14 @@ def tpu_paged_decode_ok(s: OpShape) -> bool:
     return 4 * s.batch * (s.max_pages + 1) <= TPU_SMEM_TABLE_BYTES
 
 
+def _on_multi_device_mesh() -> bool:
+    """Whether an ambient mesh (``jax.set_mesh``; also while tracing under it) has several
+    devices: the C++ kernel has no SPMD partitioning rule, so XLA would gather a sharded page
+    pool whole onto every device for it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.size > 1
+
+
 def select_impl(
     op: str, impl: str = "auto", shape: OpShape | None = None, backend: str | None = None
 ) -> str:
@@ -146,7 +155,8 @@ def select_impl(
         return impl
     backend = backend or current_backend()
     if backend not in ("gpu", "tpu"):
-        return "cpu" if op == "paged_decode" and paged_decode_cpu.available() else "xla"
+        native = op == "paged_decode" and not _on_multi_device_mesh()
+        return "cpu" if native and paged_decode_cpu.available() else "xla"
     if shape is None:
         raise ValueError(f"impl='auto' for {op} on {backend} needs the call's OpShape")
     if backend == "gpu":

@@ -136,6 +136,20 @@ def test_unavailable_kernel_falls_back_and_explains(monkeypatch):
         paged_decode_attention(q, k, v, tables[:, 0], lengths[:, 0], impl="cpu")
 
 
+def test_a_multi_device_mesh_keeps_the_xla_path():
+    """The kernel has no SPMD partitioning rule (a sharded pool would be gathered whole for
+    it): under a mesh of several devices, also while tracing, 'auto' picks XLA."""
+    assert select_impl("paged_decode", backend="cpu") == "cpu"
+    seen = []
+    for n in (1, 2):
+        mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                             devices=jax.devices()[:n])  # fmt: skip
+        with jax.set_mesh(mesh):
+            seen.append(select_impl("paged_decode", backend="cpu"))
+            jax.jit(lambda x: seen.append(select_impl("paged_decode", backend="cpu")) or x)(1.0)
+    assert seen == ["cpu", "cpu", "xla", "xla"]
+
+
 def test_build_is_cached_and_a_failed_build_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("AGENTRL_KERNEL_CACHE", str(tmp_path / "cache"))
     compiler = os.environ.get("CXX", "c++")
