@@ -74,13 +74,16 @@ def kv_bytes_8k(mcfg, policy, page_size: int = 16, n_tokens: int = 8192) -> int:
 
 class Run(NamedTuple):
     """One shape's compiled rollout: ``full()`` (prefill + decode: (tokens, lengths)),
-    ``prefill_only()``, and what the line reports about it."""
+    ``prefill_only()``, its inputs (``params``, ``prompt``, sampling key ``rng``) and what the
+    line reports about it."""
 
     full: Callable[[], Any]
     prefill_only: Callable[[], Any]
     compile_s: float
     sampler: Sampler
     params: Any
+    prompt: np.ndarray
+    rng: jax.Array
     model_cfg: Any
     chunk: int
 
@@ -127,17 +130,15 @@ def build(kind: str, pattern: str, batch: int, policy, chunk: int, decode_kernel
         s, out = dec(params, s, rng, uids, active, budget, np.int32(batch))
         return out.tokens, s.cache["lengths"]
 
-    return Run(full, prefill_only, compile_s, sampler, params, mcfg, chunk)
+    return Run(full, prefill_only, compile_s, sampler, params, prompt, rng, mcfg, chunk)
 
 
 def bench_one(kind, pattern, batch, args):
     policy = get_policy(args.policy)
-    full, prefill_only, compile_s, sampler, params, mcfg, chunk = build(
+    full, prefill_only, compile_s, sampler, params, prompt, rng, mcfg, chunk = build(
         kind, pattern, batch, policy, args.chunk, args.decode_kernel
     )
     cfg, model = sampler.cfg, sampler.model
-    prompt = np.asarray(jax.random.randint(jax.random.key(2), (batch, PROMPT), 0, 1024))
-    rng = jax.random.key(1)
 
     gen, lengths = full()  # warm; the timed calls sample the same tokens
     t = time_ms(full, reps=args.reps, warmup=0)

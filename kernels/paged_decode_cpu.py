@@ -193,9 +193,7 @@ def paged_decode_attention_cpu(
         raise ValueError(f"{window=} must be None or an int >= 1")
     j = block_tables.shape[-1]
     tables = _per_head(block_tables, 2, "block_tables", (b, j), kh).astype(jnp.int32)
-    lens = lengths[:, None] if lengths.ndim == 1 else lengths
-    if lens.ndim != 2 or lens.shape[0] != b or lens.shape[1] not in (1, kh):
-        raise ValueError(f"lengths must be [{b}] or per kv head [{b}, {kh}]; got {lengths.shape}")
+    lens = _per_head(lengths, 1, "lengths", (b,), kh)
     if (dtype == "int8") != (k_scales is not None and v_scales is not None):
         raise ValueError("int8 pages need k_scales and v_scales [P, Hkv]; float pages none")
     if dtype == "int8":
