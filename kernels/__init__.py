@@ -36,7 +36,13 @@ from agentrl_jax.kernels.paged_decode import (
 )
 from agentrl_jax.kernels.paged_decode import op_shape as paged_decode_op_shape
 from agentrl_jax.kernels.paged_decode_cpu import paged_decode_attention_cpu
-from agentrl_jax.kernels.select import IMPLS, OP_IMPLS, OpShape, select_impl
+from agentrl_jax.kernels.select import (
+    IMPLS,
+    OP_IMPLS,
+    OpShape,
+    on_multi_device_mesh,
+    select_impl,
+)
 from agentrl_jax.kernels.sliding_window import (
     sliding_window_attention,
     sliding_window_attention_reference,
@@ -53,6 +59,7 @@ __all__ = [
     "combine_attention",
     "compact_pages",
     "normalize_block_indices",
+    "on_multi_device_mesh",
     "paged_decode_attention",
     "paged_decode_attention_cpu",
     "paged_decode_attention_reference",

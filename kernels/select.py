@@ -120,7 +120,7 @@ def tpu_paged_decode_ok(s: OpShape) -> bool:
     return 4 * s.batch * (s.max_pages + 1) <= TPU_SMEM_TABLE_BYTES
 
 
-def _on_multi_device_mesh() -> bool:
+def on_multi_device_mesh() -> bool:
     """Whether an ambient mesh (``jax.set_mesh``; also while tracing under it) has several
     devices: the C++ kernel has no SPMD partitioning rule, so XLA would gather a sharded page
     pool whole onto every device for it."""
@@ -155,7 +155,7 @@ def select_impl(
         return impl
     backend = backend or current_backend()
     if backend not in ("gpu", "tpu"):
-        native = op == "paged_decode" and not _on_multi_device_mesh()
+        native = op == "paged_decode" and not on_multi_device_mesh()
         return "cpu" if native and paged_decode_cpu.available() else "xla"
     if shape is None:
         raise ValueError(f"impl='auto' for {op} on {backend} needs the call's OpShape")

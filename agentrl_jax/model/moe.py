@@ -84,7 +84,9 @@ def _expert_einsum(policy: DTypePolicy, subscripts: str, x: jax.Array, w: jax.Ar
 class MLP(nn.Module):
     """Dense SwiGLU feed-forward ``D -> cfg.d_ff -> D`` (used when ``cfg.n_experts == 0``).
 
-    ``__call__(x [B, T, D] compute dtype) -> [B, T, D]`` compute dtype.
+    ``__call__(x [B, T, D] compute dtype) -> [B, T, D]`` compute dtype. Parameters from
+    ``transformer.fuse_projections`` hold ``w_gate_up`` [D, 2F] in place of ``w_gate`` and
+    ``w_up``: then the two projections are one matmul.
     """
 
     cfg: ModelConfig
@@ -96,17 +98,22 @@ class MLP(nn.Module):
         if x.ndim != 3 or x.shape[-1] != cfg.d_model:
             raise ValueError(f"MLP input x.shape={x.shape} must be [B, T, d_model={cfg.d_model}]")
         std_out = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        w_gate = self.param(
-            "w_gate", _init(cfg.init_std, ("embed", "mlp")), (cfg.d_model, cfg.d_ff), pol.param
-        )
-        w_up = self.param(
-            "w_up", _init(cfg.init_std, ("embed", "mlp")), (cfg.d_model, cfg.d_ff), pol.param
-        )
-        w_down = self.param(
-            "w_down", _init(std_out, ("mlp", "embed")), (cfg.d_ff, cfg.d_model), pol.param
-        )
-        h = nn.silu(pol.einsum("BTD,DF->BTF", x, w_gate)) * pol.einsum("BTD,DF->BTF", x, w_up)
-        return pol.einsum("BTF,FD->BTD", h, w_down)
+        f = cfg.d_ff
+        if self.has_variable("params", "w_gate_up"):
+            names, shape = ("embed", "mlp"), (cfg.d_model, 2 * f)
+            w = self.param("w_gate_up", _init(cfg.init_std, names), shape, pol.param)
+            gu = pol.einsum("BTD,DF->BTF", x, w)
+            gate, up = gu[..., :f], gu[..., f:]
+        else:
+            w_gate = self.param(
+                "w_gate", _init(cfg.init_std, ("embed", "mlp")), (cfg.d_model, f), pol.param
+            )
+            w_up = self.param(
+                "w_up", _init(cfg.init_std, ("embed", "mlp")), (cfg.d_model, f), pol.param
+            )
+            gate, up = pol.einsum("BTD,DF->BTF", x, w_gate), pol.einsum("BTD,DF->BTF", x, w_up)
+        w_down = self.param("w_down", _init(std_out, ("mlp", "embed")), (f, cfg.d_model), pol.param)
+        return pol.einsum("BTF,FD->BTD", nn.silu(gate) * up, w_down)
 
 
 def load_balance_loss(

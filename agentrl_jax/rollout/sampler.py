@@ -57,8 +57,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from agentrl_jax.kernels import on_multi_device_mesh
 from agentrl_jax.model.chunked import NEVER, fixed_order_logprobs
-from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache, unstack_groups
+from agentrl_jax.model.transformer import (
+    CacheSpec,
+    Transformer,
+    fuse_projections,
+    init_cache,
+    unstack_groups,
+)
 from agentrl_jax.rollout import slots
 from agentrl_jax.rollout.cache_sharding import place_decode_state
 from agentrl_jax.rollout.rollout_config import RolloutConfig  # noqa: F401 - re-exported
@@ -133,6 +140,24 @@ def episode_keys(rng: jax.Array, uids: jax.Array) -> jax.Array:
     return jax.vmap(lambda u: jax.random.fold_in(rng, u))(uids)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` (the first maximum; a NaN counts as the maximum), as two plain
+    reductions: XLA CPU emits the variadic (value, index) reduce behind ``jnp.argmax`` as a
+    scalar loop, and fuses the Gumbel noise's logs into that loop; a max and a min over the
+    indices that reach it vectorise (the sampler's [B, V] argmax: 4-6x less time)."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == m) | (jnp.isnan(x) & jnp.isnan(m))
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, iota, x.shape[-1]), axis=-1)
+
+
+def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
+    """``jax.vmap(jax.random.categorical)(keys, logits)``, the same tokens: the Gumbel-max draw
+    per row ([B] keys, [B, V] logits -> int32 [B]) with :func:`first_argmax`."""
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], logits.dtype))(keys)
+    return first_argmax(noise + logits)
+
+
 def sample_tokens(
     logits: jax.Array, keys: jax.Array, cfg: RolloutConfig, greedy_rows: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
@@ -144,12 +169,12 @@ def sample_tokens(
     """
     logits = logits.astype(jnp.float32)
     if cfg.greedy:
-        tok = jnp.argmax(logits, axis=-1)
+        tok = first_argmax(logits)
     else:
         x = filter_logits(logits, cfg)
-        tok = jax.vmap(jax.random.categorical)(keys, x)
+        tok = categorical(keys, x)
         if greedy_rows is not None:
-            tok = jnp.where(greedy_rows, jnp.argmax(logits, axis=-1), tok)
+            tok = jnp.where(greedy_rows, first_argmax(logits), tok)
     tok = tok.astype(jnp.int32)
     return tok, fixed_order_logprobs(logits, tok)
 
@@ -189,6 +214,10 @@ class Sampler:
         # One-row decode of a shallow stack: weights unstacked once per decode call (see
         # ``Transformer.unstacked``) instead of sliced out of the depth scan on every step.
         self.unstack_decode = mcfg.n_groups <= UNSTACK_GROUPS
+        # One-row decode: dense MLPs' gate and up projections joined once per decode call
+        # (``fuse_projections``); not under fp8 matmuls, whose per-tensor scales would change, nor
+        # on a multi-device mesh, where joined weights would be resharded.
+        self.fuse_decode = not model.policy.fp8_matmul
         self.decode_model = Transformer(
             mcfg,
             model.policy,
@@ -422,6 +451,8 @@ class Sampler:
             model, c = self.decode_model, 1
             if self.unstack_decode:
                 params = unstack_groups(params, model.cfg.n_groups)
+            if self.fuse_decode and not on_multi_device_mesh():
+                params = fuse_projections(params)
         stops = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
         mcfg = model.cfg
         out_tok = jnp.zeros((b, n), jnp.int32)

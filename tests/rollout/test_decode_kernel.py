@@ -10,9 +10,16 @@ from test_agent_loop import play
 from agentrl_jax import kernels
 from agentrl_jax.model.attention import over_live_pages, page_buckets
 from agentrl_jax.model.config import ModelConfig
-from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache, init_params
+from agentrl_jax.model.transformer import (
+    CacheSpec,
+    Transformer,
+    fuse_projections,
+    init_cache,
+    init_params,
+)
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rollout.parity import trainer_logprobs
+from agentrl_jax.rollout import sampler as sampler_mod
 from agentrl_jax.rollout.sampler import Sampler
 
 # fp32 tolerance: the kernel reduces in another order than the chunk path's masked softmax
@@ -51,6 +58,60 @@ def test_one_row_step_matches_chunk_path_dense_and_sparse():
                  ref_cache["layers"]["layer_0"])  # fmt: skip
     close = lambda a, b: np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)  # noqa: E731
     jax.tree.map(close, got_cache, ref_cache)
+
+
+def test_fuse_projections_joins_dense_mlp_weights_only():
+    """``w_gate_up`` = [w_gate | w_up] per stacked group; attention and MoE experts untouched;
+    the model computes the same numbers (chunked with a cache, one row) from either tree."""
+    cfg = ModelConfig(
+        vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
+        layer_pattern="SD", window=8, d_ff=48, init_std=0.3,
+    )  # fmt: skip
+    pol = get_policy("fp32")
+    model = Transformer(cfg, pol, decode_kernel=True)
+    params = init_params(model, jax.random.key(3))
+    fused = fuse_projections(params)
+    for layer in ("layer_0", "layer_1"):
+        mlp, want = fused["params"]["groups"][layer]["mlp"], params["params"]["groups"][layer]
+        assert sorted(mlp) == ["w_down", "w_gate_up"] and mlp["w_gate_up"].shape == (2, 32, 96)
+        joined = jnp.concatenate([want["mlp"]["w_gate"], want["mlp"]["w_up"]], axis=-1)
+        np.testing.assert_array_equal(mlp["w_gate_up"], joined)
+        assert fused["params"]["groups"][layer]["attn"].keys() == want["attn"].keys()
+    moe_cfg = cfg.replace(n_experts=4, experts_per_token=2, d_expert=16)
+    moe_params = init_params(Transformer(moe_cfg, pol), jax.random.key(4))
+    assert jax.tree.structure(fuse_projections(moe_params)) == jax.tree.structure(moe_params)
+
+    b = 3
+    toks = jax.random.randint(jax.random.key(5), (b, 9), 0, 64)
+
+    @jax.jit
+    def step(params):
+        cache = init_cache(cfg, pol, CacheSpec(b, 32, page_size=8))
+        _, cache, _ = model.apply(params, toks, cache=cache)
+        return model.apply(params, toks[:, :1], cache=cache)[0]
+
+    np.testing.assert_allclose(step(fused), step(params), rtol=1e-6, atol=1e-6)
+
+
+def test_decode_joins_weights_except_on_a_multi_device_mesh(monkeypatch, fp32_model):
+    """The kernel decode calls ``fuse_projections`` once per decode call, not under a mesh of
+    several devices (also while tracing) nor under fp8 matmuls."""
+    calls = []
+    real = sampler_mod.fuse_projections
+    monkeypatch.setattr(sampler_mod, "fuse_projections", lambda p: calls.append(1) or real(p))
+    params = fp32_model[1]
+    ones = np.ones(N_SLOTS, bool)
+    args = (jax.random.key(0), np.arange(N_SLOTS, dtype=np.int32), ones)
+    budget = np.full(N_SLOTS, 2, np.int32)
+    for policy, n_dev, want in (("fp32", 1, 1), ("fp32", 2, 0), ("fp8", 1, 0)):
+        calls.clear()
+        sampler = Sampler(Transformer(CFG, get_policy(policy)), SAMPLING)
+        st = sampler.init_state(N_SLOTS, 16)
+        mesh = jax.make_mesh((n_dev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                             devices=jax.devices()[:n_dev])  # fmt: skip
+        with jax.set_mesh(mesh):
+            jax.make_jaxpr(sampler._decode)(params, st, *args, budget, np.int32(N_SLOTS))
+        assert len(calls) == want, (policy, n_dev)
 
 
 @pytest.fixture(scope="module")

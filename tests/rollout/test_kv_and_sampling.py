@@ -13,8 +13,10 @@ from agentrl_jax.rollout.kv_cache import EvictionConfig, PagePool, dense_kv_byte
 from agentrl_jax.rollout.parity import trainer_logprobs
 from agentrl_jax.rollout.sampler import (
     RolloutConfig,
+    categorical,
     episode_keys,
     filter_logits,
+    first_argmax,
     sample_tokens,
     token_keys,
 )
@@ -90,6 +92,35 @@ def test_sample_tokens_greedy_rows():
     np.testing.assert_array_equal(np.asarray(tok), want)
     assert (np.asarray(free)[rows] != want[rows]).any()  # the mask changed something
     np.testing.assert_array_equal(np.asarray(lp), np.asarray(fixed_order_logprobs(x, tok)))
+
+
+def test_first_argmax_matches_argmax_ties_nan_inf():
+    """The two-reduction argmax returns jnp.argmax's index: the first of tied maxima, the first
+    NaN, 0 for an all -inf row; jitted, on integer-valued random rows (many ties)."""
+    rng = np.random.default_rng(7)
+    x = rng.integers(-3, 4, size=(64, 37)).astype(np.float32)
+    x[3, [5, 9]] = np.nan
+    x[4] = -np.inf
+    x[5, [2, 30]] = np.inf
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert got[3] == 5 and got[4] == 0 and got[5] == 2
+    y = rng.normal(size=(2, 3, 50)).astype(np.float32)  # leading batch dims
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(y))), y.argmax(-1))
+
+
+def test_categorical_equals_jax_random_categorical():
+    """Same tokens as ``jax.vmap(jax.random.categorical)`` for the same keys, including rows
+    with -inf (filtered) entries, jitted as the sampler runs it."""
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(32, 300)).astype(np.float32) * 3
+    x[:, ::7] = -np.inf
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(2), i))(jnp.arange(32))
+    got = jax.jit(categorical)(keys, jnp.asarray(x))
+    want = jax.vmap(jax.random.categorical)(keys, jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.isfinite(x[np.arange(32), np.asarray(got)]).all()
+    assert len(set(np.asarray(got).tolist())) > 8  # draws, not one argmax
 
 
 def test_rollout_config_validation():
