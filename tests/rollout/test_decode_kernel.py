@@ -18,8 +18,8 @@ from agentrl_jax.model.transformer import (
     init_params,
 )
 from agentrl_jax.precision import get_policy
-from agentrl_jax.rollout.parity import trainer_logprobs
 from agentrl_jax.rollout import sampler as sampler_mod
+from agentrl_jax.rollout.parity import trainer_logprobs
 from agentrl_jax.rollout.sampler import Sampler
 
 # fp32 tolerance: the kernel reduces in another order than the chunk path's masked softmax
