@@ -4,7 +4,8 @@
 // One query token per sequence attends to its cached keys read in place from the page pool:
 // no gathered copy of the pages, two passes per (sequence, kv head) row (scores over the keys,
 // then the probability-weighted values), float32 arithmetic whatever the page dtype.
-// Rows are spread over XLA's intra-op thread pool.
+// Rows are spread over XLA's intra-op thread pool. Head dims of 32, 64 and 128 with pages of a
+// multiple of 16 keys run on 16-float vectors (RowVec); other shapes on scalar loops (Row).
 //
 // Shapes (B sequences, N query heads, K kv heads, G = N / K, H head dim, P pages, L page size,
 // J block-table width; a leading dim of 1 in place of K means "the same for every kv head"):
@@ -92,6 +93,43 @@ inline float Load<uint16_t>(const uint16_t* x, int64_t i) {  // bfloat16 bits
   return f;
 }
 
+// Softmax numerators in place over each of G score rows of n_keys, their sums and the row
+// maxima (NaN when a score is NaN: the row is then NaN, as in the reference).
+inline void Softmax(float* scores, int64_t G, int64_t n_keys, float* row_max, float* denom) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * n_keys;
+    float m = -INFINITY;
+    bool nan = false;
+    for (int64_t i = 0; i < n_keys; ++i) {
+      nan |= std::isnan(s[i]);
+      m = std::max(m, s[i]);
+    }
+    if (nan) m = NAN;
+    const float shift = std::isfinite(m) ? m : 0.0f;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n_keys; ++i) {
+      const float e = ExpNonPositive(s[i] - shift);
+      s[i] = e;
+      sum += e;
+    }
+    row_max[g] = m;
+    denom[g] = sum;
+  }
+}
+
+// Normalises the G weighted-value rows in out and writes their log-sum-exps.
+inline void Finish(float* out, float* lse, int64_t G, int64_t H, const float* row_max,
+                   const float* denom) {
+  for (int64_t g = 0; g < G; ++g) {
+    const bool nan = std::isnan(row_max[g]);
+    const bool seen = denom[g] > 0.0f;
+    const float inv = nan ? NAN : seen ? 1.0f / denom[g] : 0.0f;
+    for (int64_t h = 0; h < H; ++h) out[g * H + h] *= inv;
+    lse[g] = nan ? NAN : seen ? row_max[g] + std::log(denom[g]) : -INFINITY;
+  }
+}
+
 // One (sequence b, kv head kh) row: its G query heads against its visible keys.
 template <typename T>
 void Row(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
@@ -144,28 +182,8 @@ void Row(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
       }
     }
   }
-  // softmax numerators in place, their sums and the row maxima
   float row_max[kMaxGroup], denom[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * n_keys;
-    float m = -INFINITY;
-    bool nan = false;  // a NaN score makes the row NaN, as in the reference
-    for (int64_t i = 0; i < n_keys; ++i) {
-      nan |= std::isnan(s[i]);
-      m = std::max(m, s[i]);
-    }
-    if (nan) m = NAN;
-    const float shift = std::isfinite(m) ? m : 0.0f;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n_keys; ++i) {
-      const float e = ExpNonPositive(s[i] - shift);
-      s[i] = e;
-      sum += e;
-    }
-    row_max[g] = m;
-    denom[g] = sum;
-  }
+  Softmax(scores.data(), G, n_keys, row_max, denom);
   // pass 2: probability-weighted values
   float acc[kMaxGroup * kMaxHeadDim];
   std::fill(acc, acc + G * H, 0.0f);
@@ -186,13 +204,210 @@ void Row(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
       }
     }
   }
+  std::copy(acc, acc + G * H, out);
+  Finish(out, lse, G, H, row_max, denom);
+}
+
+// The same row with 16-float vectors (GCC/Clang vector extensions; AVX-512 registers where the
+// CPU has them, pairs of AVX2 ones elsewhere) for head dims of HC * 16 floats: each key's
+// chunks are loaded once for a pair of query heads, and pass 2 keeps the pair's output rows in
+// registers across all keys. Scores reduce each key's 16 lane sums in a fixed tree.
+typedef float F32x16 __attribute__((vector_size(64)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+typedef uint16_t U16x16 __attribute__((vector_size(32)));
+typedef int8_t I8x16 __attribute__((vector_size(16)));
+
+template <typename T>
+inline F32x16 LoadVec(const T* x);
+template <>
+inline F32x16 LoadVec<float>(const float* x) {
+  F32x16 v;
+  std::memcpy(&v, x, sizeof(v));
+  return v;
+}
+template <>
+inline F32x16 LoadVec<uint16_t>(const uint16_t* x) {  // bfloat16 bits
+  U16x16 u;
+  std::memcpy(&u, x, sizeof(u));
+  return reinterpret_cast<F32x16>(__builtin_convertvector(u, U32x16) << 16);
+}
+template <>
+inline F32x16 LoadVec<int8_t>(const int8_t* x) {
+  I8x16 u;
+  std::memcpy(&u, x, sizeof(u));
+  return __builtin_convertvector(u, F32x16);
+}
+
+#if defined(__clang__)
+#define AGENTRL_SHUFFLE(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#else
+#define AGENTRL_SHUFFLE(x, y, ...) __builtin_shuffle(x, y, U32x16{__VA_ARGS__})
+#endif
+
+// Lane sums of 16 vectors, one per key: s[o] = sum of part[o]'s lanes, each by the tree
+// (lane i + lane i+8), then (+ i+4), (+ i+2), (+ i+1), and all 16 in four rounds of shuffles
+// (15 shuffle pairs instead of 16 separate reductions).
+inline F32x16 LaneSums(F32x16* part) {
+  for (int n = 8; n >= 1; n /= 2)  // n pairs of vectors -> n vectors
+    for (int m = 0; m < n; ++m) {
+      const F32x16 x = part[2 * m], y = part[2 * m + 1];
+      F32x16 lo, hi;
+      if (n == 8) {
+        lo = AGENTRL_SHUFFLE(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+        hi = AGENTRL_SHUFFLE(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+      } else if (n == 4) {
+        lo = AGENTRL_SHUFFLE(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+        hi = AGENTRL_SHUFFLE(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+      } else if (n == 2) {
+        lo = AGENTRL_SHUFFLE(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+        hi = AGENTRL_SHUFFLE(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+      } else {
+        lo = AGENTRL_SHUFFLE(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        hi = AGENTRL_SHUFFLE(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+      }
+      part[m] = lo + hi;
+    }
+  return part[0];
+}
+
+// Softmax for n_keys a multiple of 16: the row maxima and the NaN test in vectors; the same
+// numbers as Softmax.
+inline void SoftmaxVec(float* scores, int64_t G, int64_t n_keys, float* row_max, float* denom) {
   for (int64_t g = 0; g < G; ++g) {
-    const bool nan = std::isnan(row_max[g]);
-    const bool seen = denom[g] > 0.0f;
-    const float inv = nan ? NAN : seen ? 1.0f / denom[g] : 0.0f;
-    for (int64_t h = 0; h < H; ++h) out[g * H + h] = acc[g * H + h] * inv;
-    lse[g] = nan ? NAN : seen ? row_max[g] + std::log(denom[g]) : -INFINITY;
+    float* s = scores + g * n_keys;
+    F32x16 m = LoadVec(s), nan = m != m ? F32x16{} + 1.0f : F32x16{};
+    for (int64_t i = 16; i < n_keys; i += 16) {
+      const F32x16 v = LoadVec(s + i);
+      m = v > m ? v : m;
+      nan = v != v ? F32x16{} + 1.0f : nan;
+    }
+    float lanes[16], flags[16];
+    std::memcpy(lanes, &m, sizeof(lanes));
+    std::memcpy(flags, &nan, sizeof(flags));
+    float mx = -INFINITY;
+    bool any_nan = false;
+    for (int i = 0; i < 16; ++i) {
+      mx = std::max(mx, lanes[i]);
+      any_nan |= flags[i] != 0.0f;
+    }
+    row_max[g] = any_nan ? NAN : mx;
+    const float shift = std::isfinite(mx) ? mx : 0.0f;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n_keys; ++i) {
+      const float e = ExpNonPositive(s[i] - shift);
+      s[i] = e;
+      sum += e;
+    }
+    denom[g] = sum;
   }
+}
+
+template <typename T, int HC>
+void RowVec(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
+  constexpr int64_t H = HC * 16;
+  const int64_t G = c.G, L = c.L, K = c.K;
+  const T* kp = static_cast<const T*>(c.k);
+  const T* vp = static_cast<const T*>(c.v);
+  const float* q = c.q + (b * c.N + kh * G) * H;
+  float* out = c.out + (b * c.N + kh * G) * H;
+  float* lse = c.lse + b * c.N + kh * G;
+  const int64_t len = std::clamp<int64_t>(
+      c.lengths[b * c.lengths_k + (c.lengths_k > 1 ? kh : 0)], 0, c.J * L);
+  const int64_t lo = c.window > 0 ? std::max<int64_t>(0, len - c.window) : 0;
+  const int32_t* table = c.tables + (b * c.tables_k + (c.tables_k > 1 ? kh : 0)) * c.J;
+  const bool* mask =
+      c.mask ? c.mask + (b * c.mask_k + (c.mask_k > 1 ? kh : 0)) * c.J * L : nullptr;
+  const int64_t j0 = lo / L, j1 = (len + L - 1) / L, n_keys = (j1 - j0) * L;
+  if (n_keys <= 0) {
+    std::fill(out, out + G * H, 0.0f);
+    std::fill(lse, lse + G, -INFINITY);
+    return;
+  }
+  auto page = [&](int64_t j) { return std::clamp<int64_t>(table[j], 0, c.P - 1); };
+  auto row = [&](int64_t p, int64_t o) { return ((p * L + o) * K + kh) * H; };
+  auto prefetch = [&](const T* pool, int64_t j) {
+    if (j >= j1) return;
+    const int64_t p = page(j);
+    const int64_t line = 64 / static_cast<int64_t>(sizeof(T));
+    for (int64_t o = 0; o < L; ++o)
+      for (int64_t h = 0; h < H; h += line) __builtin_prefetch(pool + row(p, o) + h);
+  };
+
+  // pass 1: scaled scores of the visible keys (-inf elsewhere), a page of keys at a time per
+  // query head
+  static_assert(sizeof(F32x16) == 16 * sizeof(float));
+  scores.resize(G * n_keys);
+  for (int64_t j = j0; j < j1; ++j) {
+    prefetch(kp, j + 2);
+    const int64_t p = page(j);
+    const float ks = c.k_scales ? c.k_scales[p * K + kh] * c.scale : c.scale;
+    for (int64_t g = 0; g < G; ++g) {
+      F32x16 qg[HC];
+      for (int ch = 0; ch < HC; ++ch) qg[ch] = LoadVec(q + g * H + ch * 16);
+      for (int64_t o0 = 0; o0 < L; o0 += 16) {  // L is a multiple of 16 here
+        F32x16 part[16];
+        for (int o = 0; o < 16; ++o) {
+          const T* key = kp + row(p, o0 + o);
+          F32x16 a = qg[0] * LoadVec(key);
+          for (int ch = 1; ch < HC; ++ch) a += qg[ch] * LoadVec(key + ch * 16);
+          part[o] = a;
+        }
+        const F32x16 sums = LaneSums(part) * ks;
+        float* dst = scores.data() + g * n_keys + j * L + o0 - j0 * L;
+        std::memcpy(dst, &sums, sizeof(sums));
+      }
+    }
+    for (int64_t o = 0; o < L; ++o) {
+      const int64_t t = j * L + o;
+      if (!(t >= lo && t < len && (!mask || mask[t])))
+        for (int64_t g = 0; g < G; ++g) scores[g * n_keys + t - j0 * L] = -INFINITY;
+    }
+  }
+  float row_max[kMaxGroup], denom[kMaxGroup];
+  SoftmaxVec(scores.data(), G, n_keys, row_max, denom);
+  // pass 2: probability-weighted values, a pair of output rows in registers
+  for (int64_t g0 = 0; g0 < G; g0 += 2) {
+    const int64_t g1 = std::min(g0 + 1, G - 1);
+    const float* w0s = scores.data() + g0 * n_keys;
+    const float* w1s = scores.data() + g1 * n_keys;
+    F32x16 acc0[HC], acc1[HC];
+    for (int ch = 0; ch < HC; ++ch) acc0[ch] = acc1[ch] = F32x16{};
+    for (int64_t j = j0; j < j1; ++j) {
+      prefetch(vp, j + 2);
+      const int64_t p = page(j);
+      const float vs = c.v_scales ? c.v_scales[p * K + kh] : 1.0f;
+      for (int64_t o = 0; o < L; ++o) {
+        const int64_t i = j * L + o - j0 * L;
+        const float w0 = w0s[i], w1 = w1s[i];
+        if (w0 == 0.0f && w1 == 0.0f) continue;
+        const float v0 = w0 * vs, v1 = w1 * vs;
+        for (int ch = 0; ch < HC; ++ch) {
+          const F32x16 val = LoadVec(vp + row(p, o) + ch * 16);
+          acc0[ch] += v0 * val;
+          acc1[ch] += v1 * val;
+        }
+      }
+    }
+    for (int ch = 0; ch < HC; ++ch) {
+      std::memcpy(out + g0 * H + ch * 16, &acc0[ch], sizeof(F32x16));
+      std::memcpy(out + g1 * H + ch * 16, &acc1[ch], sizeof(F32x16));
+    }
+  }
+  Finish(out, lse, G, H, row_max, denom);
+}
+
+using RowFn = void (*)(const Call&, int64_t, int64_t, std::vector<float>&);
+
+// RowVec for head dims of 32, 64 and 128 and pages of a multiple of 16 keys; else Row.
+template <typename T>
+RowFn PickRow(int64_t H, int64_t L) {
+  if (L % 16 == 0) {
+    if (H == 32) return &RowVec<T, 2>;
+    if (H == 64) return &RowVec<T, 4>;
+    if (H == 128) return &RowVec<T, 8>;
+  }
+  return &Row<T>;
 }
 
 // Rows handed out by an atomic counter to the calling thread and to helpers on XLA's pool.
@@ -200,7 +415,7 @@ void Row(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
 // with other ops that wait too), and the shared state outlives late helpers.
 struct Work {
   Call call;
-  void (*row)(const Call&, int64_t, int64_t, std::vector<float>&);
+  RowFn row;
   int64_t rows;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -257,11 +472,11 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
   work->call = c;
   work->rows = c.B * c.K;
   if (dtype == ffi::DataType::F32) {
-    work->row = &Row<float>;
+    work->row = PickRow<float>(c.H, c.L);
   } else if (dtype == ffi::DataType::BF16) {
-    work->row = &Row<uint16_t>;
+    work->row = PickRow<uint16_t>(c.H, c.L);
   } else if (int8) {
-    work->row = &Row<int8_t>;
+    work->row = PickRow<int8_t>(c.H, c.L);
   } else {
     return ffi::Error::InvalidArgument("paged_decode_cpu: pages must be f32, bf16 or s8");
   }

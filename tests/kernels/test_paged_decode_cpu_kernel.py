@@ -21,14 +21,17 @@ pytestmark = pytest.mark.skipif(
     not paged_decode_cpu.available(), reason=str(paged_decode_cpu.unavailable_reason())
 )
 B, KH, G, H, PAGE, J, P = 3, 2, 3, 16, 4, 6, 40
+# (head dim, page size): the kernel's generic rows, and its vector rows (head dims 32 / 64 / 128,
+# pages of a multiple of 16 keys; G = 3 query heads per kv head, so an odd last head too)
+ROW_SHAPES = [(H, PAGE), (64, 16), (32, 32), (128, 16)]
 
 
-def _per_head_inputs(dtype, int8=False, seed=0):
+def _per_head_inputs(dtype, int8=False, seed=0, h=H, page=PAGE):
     """q, pools, and per kv head: tables [B, K, J] (junk past the pages in use), lengths
-    [B, K] (0, partial pages, all J pages), kv_mask [B, K, J * PAGE]."""
+    [B, K] (0, partial pages, all J pages), kv_mask [B, K, J * page]."""
     rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.standard_normal((B, KH * G, H)).astype(np.float32)).astype(dtype)
-    shape = (P, PAGE, KH, H)
+    q = jnp.asarray(rng.standard_normal((B, KH * G, h)).astype(np.float32)).astype(dtype)
+    shape = (P, page, KH, h)
     scales = {}
     if int8:
         k, v = (jnp.asarray(rng.integers(-127, 128, shape), jnp.int8) for _ in range(2))
@@ -38,10 +41,10 @@ def _per_head_inputs(dtype, int8=False, seed=0):
         k, v = (jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
                 for _ in range(2))  # fmt: skip
     tables = rng.integers(0, P, (B, KH, J)).astype(np.int32)
-    lengths = np.array([[0, 5], [J * PAGE, 13], [7, 1]], np.int32)
-    past = np.arange(J)[None, None, :] * PAGE >= lengths[..., None]
+    lengths = np.array([[0, 5], [J * page, 13 + page], [7, 1]], np.int32)
+    past = np.arange(J)[None, None, :] * page >= lengths[..., None]
     tables = np.where(past, np.where(np.arange(J) % 2, -1, 10**6), tables)
-    mask = rng.random((B, KH, J * PAGE)) < 0.7
+    mask = rng.random((B, KH, J * page)) < 0.7
     args = (q, k, v, jnp.asarray(tables), jnp.asarray(lengths))
     return args, jnp.asarray(mask), scales
 
@@ -61,13 +64,14 @@ def _per_head_reference(q, k, v, tables, lengths, kv_mask, window, scales):
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
 
 
+@pytest.mark.parametrize("h,page", ROW_SHAPES)
 @pytest.mark.parametrize(
     "dtype,int8,window,masked",
     [(jnp.float32, False, None, True), (jnp.float32, False, 5, False),
      (jnp.bfloat16, False, None, False), (jnp.float32, True, 6, True)],
 )  # fmt: skip
-def test_tables_per_kv_head_match_the_reference_per_head(dtype, int8, window, masked):
-    (q, k, v, tables, lengths), mask, scales = _per_head_inputs(dtype, int8, seed=3)
+def test_tables_per_kv_head_match_the_reference_per_head(dtype, int8, window, masked, h, page):
+    (q, k, v, tables, lengths), mask, scales = _per_head_inputs(dtype, int8, seed=3, h=h, page=page)
     mask = mask if masked else None
     run = jax.jit(lambda *a: paged_decode_attention_cpu(
         *a, window=window, kv_mask=mask, return_lse=True, **scales))  # fmt: skip
@@ -95,8 +99,9 @@ def test_shared_table_is_the_same_as_one_per_head():
     np.testing.assert_array_equal(shared, per_head)
 
 
-def test_a_nan_score_makes_its_row_nan_like_the_reference():
-    (q, k, v, tables, lengths), _, _ = _per_head_inputs(jnp.float32, seed=9)
+@pytest.mark.parametrize("h,page", ROW_SHAPES[:2])
+def test_a_nan_score_makes_its_row_nan_like_the_reference(h, page):
+    (q, k, v, tables, lengths), _, _ = _per_head_inputs(jnp.float32, seed=9, h=h, page=page)
     k = k.at[tables[1, 0, 0], 2, 0].set(jnp.nan)  # a visible key of row 1, kv head 0
     out, lse = paged_decode_attention_cpu(q, k, v, tables, lengths, return_lse=True)
     ref, _ = _per_head_reference(q, k, v, tables, lengths, None, None, {})
