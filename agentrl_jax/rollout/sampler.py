@@ -167,16 +167,17 @@ def sample_tokens(
     (the other rows' tokens are unchanged). The logprob is of the untempered, unfiltered
     distribution (module docstring).
     """
-    logits = logits.astype(jnp.float32)
-    if cfg.greedy:
-        tok = first_argmax(logits)
-    else:
-        x = filter_logits(logits, cfg)
-        tok = categorical(keys, x)
-        if greedy_rows is not None:
-            tok = jnp.where(greedy_rows, first_argmax(logits), tok)
-    tok = tok.astype(jnp.int32)
-    return tok, fixed_order_logprobs(logits, tok)
+    with jax.named_scope("sample"):  # the scope ``benchmarks/decode_profile.py`` reads
+        logits = logits.astype(jnp.float32)
+        if cfg.greedy:
+            tok = first_argmax(logits)
+        else:
+            x = filter_logits(logits, cfg)
+            tok = categorical(keys, x)
+            if greedy_rows is not None:
+                tok = jnp.where(greedy_rows, first_argmax(logits), tok)
+        tok = tok.astype(jnp.int32)
+        return tok, fixed_order_logprobs(logits, tok)
 
 
 def _with_keep(cache: dict, state: DecodeState) -> dict:
