@@ -63,6 +63,7 @@ SUITE: dict[str, list[str]] = {
     "long_context": ["--contexts", "8192", "--reps", "5"],
     "matmul_peak": [],
     "decode_impls": ["--reps", "5"],
+    "decode_profile": ["--reps", "3"],
 }
 REPS_FLAGS: dict[str, tuple[str, ...]] = {
     "compile_depth": ("--reps",),
@@ -75,6 +76,7 @@ REPS_FLAGS: dict[str, tuple[str, ...]] = {
     "long_context": ("--reps",),
     "matmul_peak": ("--reps",),
     "decode_impls": ("--reps",),
+    "decode_profile": ("--reps",),
     "rollout_baseline": ("--reps",),
     "update_baseline": ("--reps",),
 }
@@ -149,6 +151,12 @@ COLUMNS: dict[str, str] = {
         "xla_masked_tokens_per_s=XLA masked tok/s; cpu_masked_tokens_per_s=C++ masked tok/s; "
         "xla_gather_tokens_per_s=XLA gather tok/s; cpu_gather_tokens_per_s=C++ gather tok/s; "
         "xla_sparse_vs_dense=XLA sparse vs dense; cpu_sparse_vs_dense=C++ sparse vs dense"
+    ),
+    "decode_profile": (
+        "variant; step_us=step us; prefill_ms=prefill ms; decode_share=decode share; "
+        "attention_us=attention us; ffn_us=FFN us; lm_head_us=LM head us; "
+        "sampling_us=sampling us; other_us=other us; ops_over_wall=ops / wall; "
+        "paged_decode_impl=paged decode"
     ),
     "rollout_baseline": (
         "variant; threads; tokens_per_s=tok/s; decode_tokens_per_s=decode tok/s; "
