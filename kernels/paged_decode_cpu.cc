@@ -93,6 +93,20 @@ inline float Load<uint16_t>(const uint16_t* x, int64_t i) {  // bfloat16 bits
   return f;
 }
 
+// s[i] = exp(s[i] - max) in place over n scores (max: their maximum, a NaN one included, or
+// -inf: no shift then); returns their sum.
+inline float ExpInPlace(float* s, int64_t n, float max) {
+  const float shift = std::isfinite(max) ? max : 0.0f;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = ExpNonPositive(s[i] - shift);
+    s[i] = e;
+    sum += e;
+  }
+  return sum;
+}
+
 // Softmax numerators in place over each of G score rows of n_keys, their sums and the row
 // maxima (NaN when a score is NaN: the row is then NaN, as in the reference).
 inline void Softmax(float* scores, int64_t G, int64_t n_keys, float* row_max, float* denom) {
@@ -105,16 +119,8 @@ inline void Softmax(float* scores, int64_t G, int64_t n_keys, float* row_max, fl
       m = std::max(m, s[i]);
     }
     if (nan) m = NAN;
-    const float shift = std::isfinite(m) ? m : 0.0f;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n_keys; ++i) {
-      const float e = ExpNonPositive(s[i] - shift);
-      s[i] = e;
-      sum += e;
-    }
     row_max[g] = m;
-    denom[g] = sum;
+    denom[g] = ExpInPlace(s, n_keys, m);
   }
 }
 
@@ -130,36 +136,63 @@ inline void Finish(float* out, float* lse, int64_t G, int64_t H, const float* ro
   }
 }
 
-// One (sequence b, kv head kh) row: its G query heads against its visible keys.
+// What a (sequence b, kv head kh) row reads and writes: its query heads, outputs, block table,
+// key mask and the pages holding its visible keys (slots j0 .. j1 - 1, n_keys keys).
 template <typename T>
-void Row(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
-  const int64_t G = c.G, H = c.H, L = c.L, K = c.K;
-  const T* kp = static_cast<const T*>(c.k);
-  const T* vp = static_cast<const T*>(c.v);
-  const float* q = c.q + (b * c.N + kh * G) * H;
-  float* out = c.out + (b * c.N + kh * G) * H;
-  float* lse = c.lse + b * c.N + kh * G;
-  const int64_t len = std::clamp<int64_t>(
-      c.lengths[b * c.lengths_k + (c.lengths_k > 1 ? kh : 0)], 0, c.J * L);
-  const int64_t lo = c.window > 0 ? std::max<int64_t>(0, len - c.window) : 0;
-  const int32_t* table = c.tables + (b * c.tables_k + (c.tables_k > 1 ? kh : 0)) * c.J;
-  const bool* mask =
-      c.mask ? c.mask + (b * c.mask_k + (c.mask_k > 1 ? kh : 0)) * c.J * L : nullptr;
-  const int64_t j0 = lo / L, j1 = (len + L - 1) / L, n_keys = (j1 - j0) * L;
-  if (n_keys <= 0) {
+struct RowView {
+  const Call& c;
+  const int64_t kh, G, H, L, K;
+  const T* kp;
+  const T* vp;
+  const float* q;
+  float* out;
+  float* lse;
+  int64_t len, lo, j0, j1, n_keys;
+  const int32_t* table;
+  const bool* mask;
+
+  RowView(const Call& call, int64_t b, int64_t head)
+      : c(call), kh(head), G(c.G), H(c.H), L(c.L), K(c.K), kp(static_cast<const T*>(c.k)),
+        vp(static_cast<const T*>(c.v)), q(c.q + (b * c.N + kh * G) * H),
+        out(c.out + (b * c.N + kh * G) * H), lse(c.lse + b * c.N + kh * G) {
+    len = std::clamp<int64_t>(c.lengths[b * c.lengths_k + (c.lengths_k > 1 ? kh : 0)], 0,
+                              c.J * L);
+    lo = c.window > 0 ? std::max<int64_t>(0, len - c.window) : 0;
+    table = c.tables + (b * c.tables_k + (c.tables_k > 1 ? kh : 0)) * c.J;
+    mask = c.mask ? c.mask + (b * c.mask_k + (c.mask_k > 1 ? kh : 0)) * c.J * L : nullptr;
+    j0 = lo / L, j1 = (len + L - 1) / L, n_keys = (j1 - j0) * L;
+  }
+  // No visible key: zero outputs, -inf log-sum-exps; true if so.
+  bool Empty() const {
+    if (n_keys > 0) return false;
     std::fill(out, out + G * H, 0.0f);
     std::fill(lse, lse + G, -INFINITY);
-    return;
+    return true;
   }
-  auto page = [&](int64_t j) { return std::clamp<int64_t>(table[j], 0, c.P - 1); };
-  auto row = [&](int64_t p, int64_t o) { return ((p * L + o) * K + kh) * H; };
-  auto prefetch = [&](const T* pool, int64_t j) {  // page j's rows of this head, ahead of use
+  int64_t page(int64_t j) const { return std::clamp<int64_t>(table[j], 0, c.P - 1); }
+  int64_t row(int64_t p, int64_t o) const { return ((p * L + o) * K + kh) * H; }
+  bool visible(int64_t t) const { return t >= lo && t < len && (!mask || mask[t]); }
+  void prefetch(const T* pool, int64_t j) const {  // page j's rows of this head, ahead of use
     if (j >= j1) return;
     const int64_t p = page(j);
     const int64_t line = 64 / static_cast<int64_t>(sizeof(T));
     for (int64_t o = 0; o < L; ++o)
       for (int64_t h = 0; h < H; h += line) __builtin_prefetch(pool + row(p, o) + h);
-  };
+  }
+};
+
+// One (sequence b, kv head kh) row: its G query heads against its visible keys.
+template <typename T>
+void Row(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
+  const RowView<T> r(c, b, kh);
+  if (r.Empty()) return;
+  const int64_t G = r.G, H = r.H, L = r.L, K = r.K, j0 = r.j0, j1 = r.j1, n_keys = r.n_keys;
+  const T *kp = r.kp, *vp = r.vp;
+  const float* q = r.q;
+  float* out = r.out;
+  auto page = [&](int64_t j) { return r.page(j); };
+  auto row = [&](int64_t p, int64_t o) { return r.row(p, o); };
+  auto prefetch = [&](const T* pool, int64_t j) { r.prefetch(pool, j); };
 
   // pass 1: scaled scores of the visible keys (-inf elsewhere), per query head
   scores.resize(G * n_keys);
@@ -169,7 +202,7 @@ void Row(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
     const float ks = c.k_scales ? c.k_scales[p * K + kh] * c.scale : c.scale;
     for (int64_t o = 0; o < L; ++o) {
       const int64_t t = j * L + o, i = t - j0 * L;
-      const bool visible = t >= lo && t < len && (!mask || mask[t]);
+      const bool visible = r.visible(t);
       const T* key = kp + row(p, o);
       for (int64_t g = 0; g < G; ++g) {
         float d = 0.0f;
@@ -205,13 +238,13 @@ void Row(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
     }
   }
   std::copy(acc, acc + G * H, out);
-  Finish(out, lse, G, H, row_max, denom);
+  Finish(out, r.lse, G, H, row_max, denom);
 }
 
 // The same row with 16-float vectors (GCC/Clang vector extensions; AVX-512 registers where the
-// CPU has them, pairs of AVX2 ones elsewhere) for head dims of HC * 16 floats: each key's
-// chunks are loaded once for a pair of query heads, and pass 2 keeps the pair's output rows in
-// registers across all keys. Scores reduce each key's 16 lane sums in a fixed tree.
+// CPU has them, pairs of AVX2 ones elsewhere) for head dims of HC * 16 floats: pass 1 scores
+// a page's keys 16 at a time per query head (LaneSums), the softmax takes its maxima in
+// vectors, and pass 2 keeps a pair of query heads' output rows in registers across the keys.
 typedef float F32x16 __attribute__((vector_size(64)));
 typedef uint32_t U32x16 __attribute__((vector_size(64)));
 typedef uint16_t U16x16 __attribute__((vector_size(32)));
@@ -291,48 +324,22 @@ inline void SoftmaxVec(float* scores, int64_t G, int64_t n_keys, float* row_max,
       any_nan |= flags[i] != 0.0f;
     }
     row_max[g] = any_nan ? NAN : mx;
-    const float shift = std::isfinite(mx) ? mx : 0.0f;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n_keys; ++i) {
-      const float e = ExpNonPositive(s[i] - shift);
-      s[i] = e;
-      sum += e;
-    }
-    denom[g] = sum;
+    denom[g] = ExpInPlace(s, n_keys, mx);
   }
 }
 
 template <typename T, int HC>
 void RowVec(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
   constexpr int64_t H = HC * 16;
-  const int64_t G = c.G, L = c.L, K = c.K;
-  const T* kp = static_cast<const T*>(c.k);
-  const T* vp = static_cast<const T*>(c.v);
-  const float* q = c.q + (b * c.N + kh * G) * H;
-  float* out = c.out + (b * c.N + kh * G) * H;
-  float* lse = c.lse + b * c.N + kh * G;
-  const int64_t len = std::clamp<int64_t>(
-      c.lengths[b * c.lengths_k + (c.lengths_k > 1 ? kh : 0)], 0, c.J * L);
-  const int64_t lo = c.window > 0 ? std::max<int64_t>(0, len - c.window) : 0;
-  const int32_t* table = c.tables + (b * c.tables_k + (c.tables_k > 1 ? kh : 0)) * c.J;
-  const bool* mask =
-      c.mask ? c.mask + (b * c.mask_k + (c.mask_k > 1 ? kh : 0)) * c.J * L : nullptr;
-  const int64_t j0 = lo / L, j1 = (len + L - 1) / L, n_keys = (j1 - j0) * L;
-  if (n_keys <= 0) {
-    std::fill(out, out + G * H, 0.0f);
-    std::fill(lse, lse + G, -INFINITY);
-    return;
-  }
-  auto page = [&](int64_t j) { return std::clamp<int64_t>(table[j], 0, c.P - 1); };
-  auto row = [&](int64_t p, int64_t o) { return ((p * L + o) * K + kh) * H; };
-  auto prefetch = [&](const T* pool, int64_t j) {
-    if (j >= j1) return;
-    const int64_t p = page(j);
-    const int64_t line = 64 / static_cast<int64_t>(sizeof(T));
-    for (int64_t o = 0; o < L; ++o)
-      for (int64_t h = 0; h < H; h += line) __builtin_prefetch(pool + row(p, o) + h);
-  };
+  const RowView<T> r(c, b, kh);
+  if (r.Empty()) return;
+  const int64_t G = r.G, L = r.L, K = r.K, j0 = r.j0, j1 = r.j1, n_keys = r.n_keys;
+  const T *kp = r.kp, *vp = r.vp;
+  const float* q = r.q;
+  float* out = r.out;
+  auto page = [&](int64_t j) { return r.page(j); };
+  auto row = [&](int64_t p, int64_t o) { return ((p * L + o) * K + kh) * H; };  // H constant
+  auto prefetch = [&](const T* pool, int64_t j) { r.prefetch(pool, j); };
 
   // pass 1: scaled scores of the visible keys (-inf elsewhere), a page of keys at a time per
   // query head
@@ -360,7 +367,7 @@ void RowVec(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
     }
     for (int64_t o = 0; o < L; ++o) {
       const int64_t t = j * L + o;
-      if (!(t >= lo && t < len && (!mask || mask[t])))
+      if (!r.visible(t))
         for (int64_t g = 0; g < G; ++g) scores[g * n_keys + t - j0 * L] = -INFINITY;
     }
   }
@@ -394,7 +401,7 @@ void RowVec(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
       std::memcpy(out + g1 * H + ch * 16, &acc1[ch], sizeof(F32x16));
     }
   }
-  Finish(out, lse, G, H, row_max, denom);
+  Finish(out, r.lse, G, H, row_max, denom);
 }
 
 using RowFn = void (*)(const Call&, int64_t, int64_t, std::vector<float>&);
