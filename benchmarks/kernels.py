@@ -9,7 +9,8 @@ Rows (``kernel``):
   dense_causal    cuDNN / XLA full causal attention on the same shapes (the comparator).
   block_sparse    top-k block-sparse attention (selected FLOPs); ``ratio_vs_cudnn`` is dense
                   causal cuDNN time / impl time (the speedup of attending to the selection).
-  paged_decode    one-token decode over a paged cache, bf16 or int8 pages (``kv_dtype``):
+  paged_decode    one-token decode over a paged cache, bf16 or int8 pages (``kv_dtype``; impl
+                  ``cpu``: the C++ kernel, on the CPU backend where it builds):
                   ``hbm_fraction`` = K/V bytes read / time / the card's HBM bandwidth;
                   ``ratio_vs_cudnn`` against cuDNN on the same tokens laid out contiguously.
 Every impl line carries ``rel_err_vs_reference`` = ||out - ref|| / ||ref|| (fp32 reference;
@@ -421,9 +422,11 @@ def bench_paged_decode(bench, a, dtype, int8):
             q_[:n_ref], k_, v_, tables[:n_ref], lengths[:n_ref], **scales
         )
     )(q, kp, vp)
-    for impl in bench.impls(["xla", "pallas", "pallas_tpu"]):
+    for impl in bench.impls(["xla", "pallas", "pallas_tpu", "cpu"]):
         if impl == "pallas_tpu" and jax.default_backend() != "tpu":
             continue
+        if impl == "cpu" and (jax.default_backend() != "cpu" or not K.paged_decode_cpu.available()):
+            continue  # the C++ kernel: CPU backend, where it builds
         op = lambda q_, k_, v_, impl=impl: K.paged_decode_attention(
             q_,
             k_,
@@ -457,7 +460,7 @@ def main(argv=None):
     p.add_argument(
         "--kernels", default="sliding_window,block_sparse,paged_decode,paged_decode_int8"
     )
-    p.add_argument("--impls", default="xla,pallas,cudnn,pallas_tpu")
+    p.add_argument("--impls", default="xla,pallas,cudnn,pallas_tpu,cpu")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--heads-q", type=int, default=8)
