@@ -135,9 +135,9 @@ COLUMNS: dict[str, str] = {
         "rollout_ms=of it rollout ms"
     ),
     "kernels": (
-        "op; impl; pass; seq_len=T; time_ms=ms; tflops_per_s=TFLOP/s; gb_per_s=GB/s; "
-        "dpa_time_ms=dot_product_attention ms; speedup_vs_dpa=vs it; "
-        "rel_err_vs_reference=rel. err."
+        "kernel=op; impl; T; batch; head_dim=head dim; kv_dtype=KV dtype; ms_fwd=fwd ms; "
+        "ms_fwd_bwd=fwd+bwd ms; tflops=TFLOP/s; gb_per_s=GB/s; ratio_vs_cudnn=vs cuDNN; "
+        "ratio_vs_dpa_xla_fwd=vs XLA dot_product_attention; rel_err_vs_reference=rel. err."
     ),
     "long_context": (
         "variant; context; kv_option=KV; policy; kv_device_bytes=KV bytes; "
