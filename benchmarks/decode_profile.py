@@ -28,7 +28,6 @@ import re
 import tempfile
 
 import jax
-import numpy as np
 from common import NEW, env_fields, load_avg, time_ms
 from rollout import build
 
@@ -76,13 +75,7 @@ def trace_op_us(fn, reps: int, module: str) -> dict[str, float]:
 
 def profile_line(kind: str, batch: int, reps: int, policy: str = "fp32") -> dict:
     run = build(kind, "D", batch, get_policy(policy), 1, True)
-    s, b = run.sampler, batch
-    args = (np.arange(b, dtype=np.int32), np.ones(b, bool), np.full(b, NEW, np.int32))
-    width = s.prefill_width(run.prompt.shape[1])
-    toks = np.zeros((b, width), np.int32)
-    toks[:, : run.prompt.shape[1]] = run.prompt
-    st, _ = s.prefill(run.params, s.init_state(b), toks, np.full(b, run.prompt.shape[1], np.int32))
-    hlo = s.decode.lower(run.params, st, run.rng, *args, np.int32(b)).compile().as_text()
+    hlo = run.decode.as_text()
     parts = op_parts(hlo)
     jax.block_until_ready(run.full())
     t_full = time_ms(run.full, reps=reps).median_ms

@@ -74,11 +74,12 @@ def kv_bytes_8k(mcfg, policy, page_size: int = 16, n_tokens: int = 8192) -> int:
 
 class Run(NamedTuple):
     """One shape's compiled rollout: ``full()`` (prefill + decode: (tokens, lengths)),
-    ``prefill_only()``, its inputs (``params``, ``prompt``, sampling key ``rng``) and what the
-    line reports about it."""
+    ``prefill_only()``, the compiled decode call (``decode``, a ``jax.stages.Compiled``), its
+    inputs (``params``, ``prompt``, sampling key ``rng``) and what the line reports about it."""
 
     full: Callable[[], Any]
     prefill_only: Callable[[], Any]
+    decode: Any
     compile_s: float
     sampler: Sampler
     params: Any
@@ -130,12 +131,12 @@ def build(kind: str, pattern: str, batch: int, policy, chunk: int, decode_kernel
         s, out = dec(params, s, rng, uids, active, budget, np.int32(batch))
         return out.tokens, s.cache["lengths"]
 
-    return Run(full, prefill_only, compile_s, sampler, params, prompt, rng, mcfg, chunk)
+    return Run(full, prefill_only, dec, compile_s, sampler, params, prompt, rng, mcfg, chunk)
 
 
 def bench_one(kind, pattern, batch, args):
     policy = get_policy(args.policy)
-    full, prefill_only, compile_s, sampler, params, prompt, rng, mcfg, chunk = build(
+    full, prefill_only, _, compile_s, sampler, params, prompt, rng, mcfg, chunk = build(
         kind, pattern, batch, policy, args.chunk, args.decode_kernel
     )
     cfg, model = sampler.cfg, sampler.model

@@ -142,8 +142,9 @@ inline void Finish(float* out, float* lse, int64_t G, int64_t H, const float* ro
 }
 
 // What a (sequence b, kv head kh) row reads and writes: its query heads, outputs, block table,
-// key mask and the pages holding its visible keys (slots j0 .. j1 - 1, n_keys keys).
-template <typename T>
+// key mask and the pages holding its visible keys (slots j0 .. j1 - 1, n_keys keys). kH: the
+// head dim when the caller fixes it at compile time (0: the call's).
+template <typename T, int64_t kH = 0>
 struct RowView {
   const Call& c;
   const int64_t kh, G, H, L, K;
@@ -175,7 +176,11 @@ struct RowView {
     return true;
   }
   int64_t page(int64_t j) const { return std::clamp<int64_t>(table[j], 0, c.P - 1); }
-  int64_t row(int64_t p, int64_t o) const { return ((p * L + o) * K + kh) * H; }
+  int64_t row(int64_t p, int64_t o) const { return ((p * L + o) * K + kh) * (kH ? kH : H); }
+  float k_scale(int64_t p) const {  // the scores' factor of page p (softmax scale, int8 scale)
+    return c.k_scales ? c.k_scales[p * K + kh] * c.scale : c.scale;
+  }
+  float v_scale(int64_t p) const { return c.v_scales ? c.v_scales[p * K + kh] : 1.0f; }
   bool visible(int64_t t) const { return t >= lo && t < len && (!mask || mask[t]); }
   void prefetch(const T* pool, int64_t j) const {  // page j's rows of this head, ahead of use
     if (j >= j1) return;
@@ -191,24 +196,19 @@ template <typename T>
 void Row(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
   const RowView<T> r(c, b, kh);
   if (r.Empty()) return;
-  const int64_t G = r.G, H = r.H, L = r.L, K = r.K, j0 = r.j0, j1 = r.j1, n_keys = r.n_keys;
-  const T *kp = r.kp, *vp = r.vp;
+  const int64_t G = r.G, H = r.H, L = r.L, j0 = r.j0, j1 = r.j1, n_keys = r.n_keys;
   const float* q = r.q;
-  float* out = r.out;
-  auto page = [&](int64_t j) { return r.page(j); };
-  auto row = [&](int64_t p, int64_t o) { return r.row(p, o); };
-  auto prefetch = [&](const T* pool, int64_t j) { r.prefetch(pool, j); };
 
   // pass 1: scaled scores of the visible keys (-inf elsewhere), per query head
   scores.resize(G * n_keys);
   for (int64_t j = j0; j < j1; ++j) {
-    prefetch(kp, j + 2);
-    const int64_t p = page(j);
-    const float ks = c.k_scales ? c.k_scales[p * K + kh] * c.scale : c.scale;
+    r.prefetch(r.kp, j + 2);
+    const int64_t p = r.page(j);
+    const float ks = r.k_scale(p);
     for (int64_t o = 0; o < L; ++o) {
       const int64_t t = j * L + o, i = t - j0 * L;
       const bool visible = r.visible(t);
-      const T* key = kp + row(p, o);
+      const T* key = r.kp + r.row(p, o);
       for (int64_t g = 0; g < G; ++g) {
         float d = 0.0f;
         if (visible) {
@@ -226,12 +226,12 @@ void Row(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
   float acc[kMaxGroup * kMaxHeadDim];
   std::fill(acc, acc + G * H, 0.0f);
   for (int64_t j = j0; j < j1; ++j) {
-    prefetch(vp, j + 2);
-    const int64_t p = page(j);
-    const float vs = c.v_scales ? c.v_scales[p * K + kh] : 1.0f;
+    r.prefetch(r.vp, j + 2);
+    const int64_t p = r.page(j);
+    const float vs = r.v_scale(p);
     for (int64_t o = 0; o < L; ++o) {
       const int64_t i = j * L + o - j0 * L;
-      const T* val = vp + row(p, o);
+      const T* val = r.vp + r.row(p, o);
       for (int64_t g = 0; g < G; ++g) {
         const float w = scores[g * n_keys + i];
         if (w == 0.0f) continue;
@@ -242,12 +242,12 @@ void Row(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
       }
     }
   }
-  std::copy(acc, acc + G * H, out);
-  Finish(out, r.lse, G, H, row_max, denom);
+  std::copy(acc, acc + G * H, r.out);
+  Finish(r.out, r.lse, G, H, row_max, denom);
 }
 
-// The same row with 16-float vectors (GCC/Clang vector extensions; AVX-512 registers where the
-// CPU has them, pairs of AVX2 ones elsewhere) for head dims of HC * 16 floats: pass 1 scores
+// The same row with 16-float vectors (GCC/Clang vector extensions, one AVX-512 register each;
+// PickRow uses it on AVX-512 CPUs only) for head dims of HC * 16 floats: pass 1 scores
 // a page's keys 16 at a time per query head (LaneSums), the softmax takes its maxima in
 // vectors, and pass 2 keeps a pair of query heads' output rows in registers across the keys.
 typedef float F32x16 __attribute__((vector_size(64)));
@@ -351,31 +351,25 @@ inline void SoftmaxVec(float* scores, int64_t G, int64_t n_keys, float* row_max,
 template <typename T, int HC>
 void RowVec(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
   constexpr int64_t H = HC * 16;
-  const RowView<T> r(c, b, kh);
+  const RowView<T, H> r(c, b, kh);
   if (r.Empty()) return;
-  const int64_t G = r.G, L = r.L, K = r.K, j0 = r.j0, j1 = r.j1, n_keys = r.n_keys;
-  const T *kp = r.kp, *vp = r.vp;
+  const int64_t G = r.G, L = r.L, j0 = r.j0, j1 = r.j1, n_keys = r.n_keys;
   const float* q = r.q;
-  float* out = r.out;
-  auto page = [&](int64_t j) { return r.page(j); };
-  auto row = [&](int64_t p, int64_t o) { return ((p * L + o) * K + kh) * H; };  // H constant
-  auto prefetch = [&](const T* pool, int64_t j) { r.prefetch(pool, j); };
 
   // pass 1: scaled scores of the visible keys (-inf elsewhere), a page of keys at a time per
   // query head
-  static_assert(sizeof(F32x16) == 16 * sizeof(float));
   scores.resize(G * n_keys);
   for (int64_t j = j0; j < j1; ++j) {
-    prefetch(kp, j + 2);
-    const int64_t p = page(j);
-    const float ks = c.k_scales ? c.k_scales[p * K + kh] * c.scale : c.scale;
+    r.prefetch(r.kp, j + 2);
+    const int64_t p = r.page(j);
+    const float ks = r.k_scale(p);
     for (int64_t g = 0; g < G; ++g) {
       F32x16 qg[HC];
       for (int ch = 0; ch < HC; ++ch) qg[ch] = LoadVec(q + g * H + ch * 16);
       for (int64_t o0 = 0; o0 < L; o0 += 16) {  // L is a multiple of 16 here
         F32x16 part[16];
         for (int o = 0; o < 16; ++o) {
-          const T* key = kp + row(p, o0 + o);
+          const T* key = r.kp + r.row(p, o0 + o);
           F32x16 a = qg[0] * LoadVec(key);
           for (int ch = 1; ch < HC; ++ch) a += qg[ch] * LoadVec(key + ch * 16);
           part[o] = a;
@@ -401,27 +395,27 @@ void RowVec(const Call& c, int64_t b, int64_t kh, std::vector<float>& scores) {
     F32x16 acc0[HC], acc1[HC];
     for (int ch = 0; ch < HC; ++ch) acc0[ch] = acc1[ch] = F32x16{};
     for (int64_t j = j0; j < j1; ++j) {
-      prefetch(vp, j + 2);
-      const int64_t p = page(j);
-      const float vs = c.v_scales ? c.v_scales[p * K + kh] : 1.0f;
+      r.prefetch(r.vp, j + 2);
+      const int64_t p = r.page(j);
+      const float vs = r.v_scale(p);
       for (int64_t o = 0; o < L; ++o) {
         const int64_t i = j * L + o - j0 * L;
         const float w0 = w0s[i], w1 = w1s[i];
         if (w0 == 0.0f && w1 == 0.0f) continue;
         const float v0 = w0 * vs, v1 = w1 * vs;
         for (int ch = 0; ch < HC; ++ch) {
-          const F32x16 val = LoadVec(vp + row(p, o) + ch * 16);
+          const F32x16 val = LoadVec(r.vp + r.row(p, o) + ch * 16);
           acc0[ch] += v0 * val;
           acc1[ch] += v1 * val;
         }
       }
     }
     for (int ch = 0; ch < HC; ++ch) {
-      std::memcpy(out + g0 * H + ch * 16, &acc0[ch], sizeof(F32x16));
-      std::memcpy(out + g1 * H + ch * 16, &acc1[ch], sizeof(F32x16));
+      std::memcpy(r.out + g0 * H + ch * 16, &acc0[ch], sizeof(F32x16));
+      std::memcpy(r.out + g1 * H + ch * 16, &acc1[ch], sizeof(F32x16));
     }
   }
-  Finish(out, r.lse, G, H, row_max, denom);
+  Finish(r.out, r.lse, G, H, row_max, denom);
 }
 
 using RowFn = void (*)(const Call&, int64_t, int64_t, std::vector<float>&);
