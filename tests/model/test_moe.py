@@ -284,6 +284,31 @@ def test_bf16_policy_runs_on_cpu():
     assert all(g.dtype == jnp.float32 and np.isfinite(np.asarray(g)).all() for g in grads.values())
 
 
+def test_bf16_expert_matmuls_native_and_rounded_agree(monkeypatch):
+    """bf16 expert matmuls are bf16 x bf16 -> f32 dots where the CPU build compiles them
+    (``mixed_batched_dot_compiles``), else f32 dots of the inputs rounded to bf16. Both give the
+    same outputs up to the order of the f32 sums, and gradients within bf16 rounding (the
+    cotangents are bf16) of fp32 gradients at the bf16-rounded parameters and inputs."""
+    pol = get_policy("bf16")
+    x, valid = _x().astype(jnp.bfloat16), jnp.asarray(VALID)
+    rounded_params = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), PARAMS)
+    g_ref, _, _ = _grad(rounded_params, x.astype(jnp.float32), valid)
+    ys = []
+    for compiles in (True, False):
+        monkeypatch.setattr(moe_module, "mixed_batched_dot_compiles", lambda *a, c=compiles: c)
+        jax.clear_caches()
+        hlo = _apply.lower(PARAMS, x, valid, policy=pol).as_text()
+        expert_dots = [ln for ln in hlo.splitlines() if "dot_general" in ln and "batching" in ln]
+        operands = [ln.split(": (")[1].split(") ->")[0] for ln in expert_dots]
+        assert len(operands) == 3 and all(("bf16" in o) == compiles for o in operands)
+        grads, y, _ = _grad(PARAMS, x, valid, policy=pol)
+        ys.append(np.asarray(y, np.float32))
+        for name, want in g_ref.items():
+            err = np.abs(np.asarray(grads[name]) - np.asarray(want)).max()
+            assert err <= 2e-2 * np.abs(np.asarray(want)).max(), (compiles, name, err)
+    np.testing.assert_allclose(ys[0], ys[1], rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize(
     "mesh_cfg", [dict(data=2, expert=4), dict(data=1, expert=4, tensor=2)], ids=["d2e4", "e4t2"]
 )
