@@ -68,37 +68,83 @@ def sliding_window_attention_reference(
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def _banded_xla(q, k, v, window, scale, g):
-    """Chunks the sequence; each query chunk sees only itself and the chunks the window reaches."""
-    b, t, n, h = q.shape
-    kh = n // g
+def _band_geometry(t: int, window: int) -> tuple[int, int, int]:
+    """(chunk length c, key chunks before a query chunk n_prev, chunks nc) of the banded path."""
     c = min(t, max(16, min(window, _XLA_MAX_CHUNK)))
-    n_prev = -(-(window - 1) // c)
-    pad = -t % c
-    if pad:
-        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-    nc = (t + pad) // c
+    return c, -(-(window - 1) // c), -(-t // c)
 
-    def windows(x):  # [B, T', K, H] -> [B, nc, (n_prev + 1) * c, K, H]
-        x = jnp.pad(x, ((0, 0), (n_prev * c, 0), (0, 0), (0, 0)))
-        x = x.reshape(b, nc + n_prev, c, kh, h)
-        x = jnp.stack([x[:, j : j + nc] for j in range(n_prev + 1)], axis=2)
-        return x.reshape(b, nc, (n_prev + 1) * c, kh, h)
 
-    kw, vw = windows(k), windows(v)
-    qc = q.reshape(b, nc, c, kh, g, h)
+def _windows(x, c, n_prev, nc):
+    """Keys [B, nc * c, K, H] -> each query chunk's key window [B, nc, (n_prev + 1) * c, K, H]."""
+    b, _, kh, h = x.shape
+    x = jnp.pad(x, ((0, 0), (n_prev * c, 0), (0, 0), (0, 0))).reshape(b, nc + n_prev, c, kh, h)
+    x = jnp.stack([x[:, j : j + nc] for j in range(n_prev + 1)], axis=2)
+    return x.reshape(b, nc, (n_prev + 1) * c, kh, h)
+
+
+def _pad_rows(x, rows):
+    return jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, 0), (0, 0)))
+
+
+def _banded_forward(q, k, v, window, scale):
+    """-> (out [B, T, N, H] in q.dtype, f32 probabilities [B, nc, K, G, c, (n_prev + 1) c])."""
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    c, n_prev, nc = _band_geometry(t, window)
+    q, k, v = (_pad_rows(x, nc * c) for x in (q, k, v))
+    kw, vw = _windows(k, c, n_prev, nc), _windows(v, c, n_prev, nc)
+    qc = q.reshape(b, nc, c, kh, n // kh, h)
     logits = jnp.einsum("BCQKGH,BCSKH->BCKGQS", qc, kw, preferred_element_type=jnp.float32)
-    logits = logits * scale
     # Key slot s of chunk i sits at position (i - n_prev) * c + s; query slot r at i * c + r.
     rel = jnp.arange((n_prev + 1) * c)[None, :] - n_prev * c - jnp.arange(c)[:, None]
     kpos = (jnp.arange(nc)[:, None] - n_prev) * c + jnp.arange((n_prev + 1) * c)[None, :]
     mask = (rel <= 0) & (rel > -window)
     mask = mask[None, :, :] & (kpos >= 0)[:, None, :]  # [nc, Q, S]
-    p = masked_softmax(logits, mask[None, :, None, None])
+    p = masked_softmax(logits * scale, mask[None, :, None, None])
     out = jnp.einsum(
         "BCKGQS,BCSKH->BCQKGH", p.astype(vw.dtype), vw, preferred_element_type=jnp.float32
     )
-    return out.reshape(b, nc * c, n, h)[:, :t].astype(q.dtype)
+    return out.reshape(b, nc * c, n, h)[:, :t].astype(q.dtype), p
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _banded_xla(q, k, v, window, scale):
+    """Sliding-window attention by query chunks, each against the key chunks the window
+    reaches (``_band_geometry``); the backward pass reuses the forward's probabilities."""
+    return _banded_forward(q, k, v, window, scale)[0]
+
+
+def _banded_xla_fwd(q, k, v, window, scale):
+    out, probs = _banded_forward(q, k, v, window, scale)
+    return out, (q, k, v, out, probs)
+
+
+def _banded_xla_bwd(window, scale, res, d_out):
+    q, k, v, out, p = res
+    b, t, n, h = q.shape
+    kh, g, f32 = k.shape[2], n // k.shape[2], jnp.float32
+    c, n_prev, nc = _band_geometry(t, window)
+    q, k, v, out, d_out = (_pad_rows(x, nc * c) for x in (q, k, v, out, d_out))
+    qc, oc, doc = (x.reshape(b, nc, c, kh, g, h) for x in (q, out, d_out))
+    kw, vw = _windows(k, c, n_prev, nc), _windows(v, c, n_prev, nc)
+    d_vw = jnp.einsum("BCKGQS,BCQKGH->BCSKH", p.astype(v.dtype), doc, preferred_element_type=f32)
+    dp = jnp.einsum("BCQKGH,BCSKH->BCKGQS", doc, vw, preferred_element_type=f32)
+    ds = _softmax_grad(p, dp, jnp.einsum("BCQKGH,BCQKGH->BCKGQ", doc.astype(f32), oc.astype(f32)))
+    ds = (ds * scale).astype(q.dtype)
+    dq = jnp.einsum("BCKGQS,BCSKH->BCQKGH", ds, kw, preferred_element_type=f32)
+    d_kw = jnp.einsum("BCKGQS,BCQKGH->BCSKH", ds, qc, preferred_element_type=f32)
+    (dk,) = jax.linear_transpose(lambda x: _windows(x, c, n_prev, nc), k.astype(f32))(d_kw)
+    (dv,) = jax.linear_transpose(lambda x: _windows(x, c, n_prev, nc), v.astype(f32))(d_vw)
+    dq = dq.reshape(b, nc * c, n, h)
+    return tuple(x[:, :t].astype(y.dtype) for x, y in ((dq, q), (dk, k), (dv, v)))
+
+
+_banded_xla.defvjp(_banded_xla_fwd, _banded_xla_bwd)
+
+
+def _softmax_grad(p, dp, delta):
+    """Softmax backward: dS = P * (dP - rowsum(dO * O)), ``delta`` the row sums [..., Q]."""
+    return p * (dp - delta[..., None])
 
 
 def causal_chunks(t: int) -> list[tuple[int, int]]:
@@ -158,7 +204,7 @@ def _causal_xla_bwd(scale, res, d_out):
             jnp.einsum("BKGQS,BQKGH->BSKH", p.astype(v.dtype), do_c, preferred_element_type=f32)
         )
         dp = jnp.einsum("BQKGH,BSKH->BKGQS", do_c, v[:, :e], preferred_element_type=f32)
-        ds = (p * (dp - delta[..., s:e, None]) * scale).astype(q.dtype)
+        ds = (_softmax_grad(p, dp, delta[..., s:e]) * scale).astype(q.dtype)
         dq.append(jnp.einsum("BKGQS,BSKH->BQKGH", ds, k[:, :e], preferred_element_type=f32))
         dk = dk.at[:, :e].add(
             jnp.einsum("BKGQS,BQKGH->BSKH", ds, qg[:, s:e], preferred_element_type=f32)
@@ -184,11 +230,11 @@ def sliding_window_attention_xla(
     in the value dtype) and the softmax is float32. Shapes as
     :func:`sliding_window_attention_reference`.
     """
-    g = _validate(q, k, v, window)
+    _validate(q, k, v, window)
     scale = default_scale(q.shape[-1], softmax_scale)
     if window >= q.shape[1]:
         return _causal_xla(q, k, v, scale)
-    return _banded_xla(q, k, v, window, scale, g)
+    return _banded_xla(q, k, v, window, scale)
 
 
 def sliding_window_attention_cudnn(

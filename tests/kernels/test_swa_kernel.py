@@ -119,27 +119,39 @@ def test_gradients_match_reference(impl, window):
 
 
 @pytest.mark.parametrize(
-    "t,g,dtype", [(77, 2, jnp.float32), (130, 4, jnp.float32), (64, 2, jnp.bfloat16)]
+    "t,window,g,dtype",
+    [
+        (77, 77, 2, jnp.float32),  # causal: 3 query chunks, the last one shorter
+        (130, 200, 4, jnp.float32),  # causal: 4 chunks
+        (64, 64, 2, jnp.bfloat16),
+        (77, 20, 2, jnp.float32),  # banded: chunks of 20, the sequence padded to 80
+        (70, 33, 4, jnp.float32),  # banded: two key chunks before each query chunk
+        (48, 1, 2, jnp.float32),
+        (64, 17, 2, jnp.bfloat16),
+    ],
 )
-def test_xla_causal_chunks_match_reference(t, g, dtype):
-    """Dense causal attention on the XLA path runs by query chunks (the last one shorter at
-    T = 77, four at T = 130) with a hand-written backward pass: values and gradients against
-    autodiff of the reference. bf16: probabilities and dS go to the matmuls in bf16 (rel 2^-8
-    each), so gradients are held to 1% of their largest entry
-    (autodiff of ``jax.nn.dot_product_attention`` is off by 0.6% here too)."""
+def test_xla_path_values_and_gradients_match_reference(t, window, g, dtype):
+    """The XLA path (causal: query chunks; banded: chunks against the key chunks the window
+    reaches) has a hand-written backward pass: values and gradients against autodiff of the
+    reference. bf16: probabilities and dS go to the matmuls in bf16 (rel 2^-8 each), so
+    gradients are held to 1% of their largest entry (autodiff of
+    ``jax.nn.dot_product_attention`` is off by 0.6% at the causal case too)."""
     from agentrl_jax.kernels.sliding_window import causal_chunks
 
-    chunks = causal_chunks(t)
-    assert len(chunks) >= 2 and chunks[0][0] == 0 and chunks[-1][1] == t
-    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
-    q, k, v = _inputs(2, t, 2, g, 16, dtype, seed=t)
+    if window >= t:
+        chunks = causal_chunks(t)
+        assert len(chunks) >= 2 and chunks[0][0] == 0 and chunks[-1][1] == t
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    q, k, v = _inputs(2, t, 2, g, 16, dtype, seed=t + window)
     w = _inputs(2, t, 2, g, 16, jnp.float32, seed=t + 1)[0]
 
     @fast_jit
     def both(q, k, v):
-        loss = lambda f, q, k, v: jnp.sum(f(q, k, v, window=t).astype(jnp.float32) * w)
+        loss = lambda f, q, k, v: jnp.sum(f(q, k, v, window=window).astype(jnp.float32) * w)
         fns = (IMPLS["xla"], sliding_window_attention_reference)
-        return [(f(q, k, v, window=t), jax.grad(loss, argnums=(1, 2, 3))(f, q, k, v)) for f in fns]
+        return [
+            (f(q, k, v, window=window), jax.grad(loss, argnums=(1, 2, 3))(f, q, k, v)) for f in fns
+        ]
 
     (out, got), (ref, want) = both(q, k, v)
     assert out.dtype == dtype
