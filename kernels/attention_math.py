@@ -36,6 +36,12 @@ def masked_softmax(logits: jax.Array, mask: jax.Array, axis: int = -1) -> jax.Ar
     return p / jnp.where(denom > 0, denom, 1.0)
 
 
+def softmax_grad(p: jax.Array, dp: jax.Array, delta: jax.Array) -> jax.Array:
+    """Softmax backward from the probabilities: dS = P * (dP - delta), ``delta`` [..., R] the
+    rows' sums of dO * O (equal to the sums of P * dP)."""
+    return p * (dp - delta[..., None])
+
+
 def masked_logsumexp(logits: jax.Array, mask: jax.Array, axis: int = -1) -> jax.Array:
     """fp32 log-sum-exp of ``logits`` over ``axis`` restricted to ``mask``; -inf where nothing
     is visible (the neutral element of the merge of partial softmaxes)."""

@@ -13,16 +13,18 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-from agentrl_jax.kernels.attention_math import check_gqa, default_scale, masked_softmax
+from agentrl_jax.kernels.attention_math import (
+    check_gqa,
+    default_scale,
+    masked_softmax,
+    softmax_grad,
+)
+from agentrl_jax.kernels.chunked_causal import chunked_causal_attention
 from agentrl_jax.kernels.select import OpShape, dtype_name, select_impl
 from agentrl_jax.kernels.sliding_window_pallas import sliding_window_attention_pallas
 
 # Largest query chunk of the blocked XLA path: logits per chunk are [C, C * (n_prev + 1)].
 _XLA_MAX_CHUNK = 256
-# Dense causal attention on the XLA path: the queries in at most this many chunks of at least
-# _CAUSAL_MIN_CHUNK rows, each chunk against the keys up to its last row.
-_CAUSAL_CHUNKS = 4
-_CAUSAL_MIN_CHUNK = 32
 
 
 def _validate(q: jax.Array, k: jax.Array, v: jax.Array, window: int) -> int:
@@ -129,7 +131,7 @@ def _banded_xla_bwd(window, scale, res, d_out):
     kw, vw = _windows(k, c, n_prev, nc), _windows(v, c, n_prev, nc)
     d_vw = jnp.einsum("BCKGQS,BCQKGH->BCSKH", p.astype(v.dtype), doc, preferred_element_type=f32)
     dp = jnp.einsum("BCQKGH,BCSKH->BCKGQS", doc, vw, preferred_element_type=f32)
-    ds = _softmax_grad(p, dp, jnp.einsum("BCQKGH,BCQKGH->BCKGQ", doc.astype(f32), oc.astype(f32)))
+    ds = softmax_grad(p, dp, jnp.einsum("BCQKGH,BCQKGH->BCKGQ", doc.astype(f32), oc.astype(f32)))
     ds = (ds * scale).astype(q.dtype)
     dq = jnp.einsum("BCKGQS,BCSKH->BCQKGH", ds, kw, preferred_element_type=f32)
     d_kw = jnp.einsum("BCKGQS,BCQKGH->BCSKH", ds, qc, preferred_element_type=f32)
@@ -142,98 +144,24 @@ def _banded_xla_bwd(window, scale, res, d_out):
 _banded_xla.defvjp(_banded_xla_fwd, _banded_xla_bwd)
 
 
-def _softmax_grad(p, dp, delta):
-    """Softmax backward: dS = P * (dP - rowsum(dO * O)), ``delta`` the row sums [..., Q]."""
-    return p * (dp - delta[..., None])
-
-
-def causal_chunks(t: int) -> list[tuple[int, int]]:
-    """Query row ranges [start, end) of the XLA path's dense causal attention over ``t`` rows.
-
-    Chunk ``i`` attends to keys ``0 .. end_i - 1``, so of the ``t x t`` logits the path computes
-    about ``(n + 1) / (2 n)`` for ``n`` chunks (0.625 at 4) instead of all of them.
-    """
-    c = max(_CAUSAL_MIN_CHUNK, -(-t // _CAUSAL_CHUNKS))
-    return [(s, min(s + c, t)) for s in range(0, t, c)]
-
-
-def _causal_forward(q, k, v, scale):
-    """-> (out [B, T, N, H] in q.dtype, per chunk the f32 probabilities [B, K, G, Q, S])."""
-    b, t, n, h = q.shape
-    kh = k.shape[2]
-    qg = q.reshape(b, t, kh, n // kh, h)
-    outs, probs = [], []
-    for s, e in causal_chunks(t):
-        logits = jnp.einsum(
-            "BQKGH,BSKH->BKGQS", qg[:, s:e], k[:, :e], preferred_element_type=jnp.float32
-        )
-        p = masked_softmax(logits * scale, jnp.arange(e)[None, :] <= jnp.arange(s, e)[:, None])
-        outs.append(
-            jnp.einsum(
-                "BKGQS,BSKH->BQKGH", p.astype(v.dtype), v[:, :e], preferred_element_type=jnp.float32
-            )
-        )
-        probs.append(p)
-    return jnp.concatenate(outs, axis=1).reshape(b, t, n, h).astype(q.dtype), probs
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _causal_xla(q, k, v, scale):
-    """Dense causal GQA attention by query chunks (``causal_chunks``); the backward pass reuses
-    the forward's probabilities and skips the masked key ranges too."""
-    return _causal_forward(q, k, v, scale)[0]
-
-
-def _causal_xla_fwd(q, k, v, scale):
-    out, probs = _causal_forward(q, k, v, scale)
-    return out, (q, k, v, out, probs)
-
-
-def _causal_xla_bwd(scale, res, d_out):
-    q, k, v, out, probs = res
-    b, t, n, h = q.shape
-    kh = k.shape[2]
-    f32 = jnp.float32
-    qg, dog = q.reshape(b, t, kh, n // kh, h), d_out.reshape(b, t, kh, n // kh, h)
-    # softmax backward: dS = P * (dP - rowsum(dO * O))
-    delta = jnp.einsum("BTKGH,BTKGH->BKGT", dog.astype(f32), out.reshape(dog.shape).astype(f32))
-    dq, dk, dv = [], jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32)
-    for (s, e), p in zip(causal_chunks(t), probs):
-        do_c = dog[:, s:e]
-        dv = dv.at[:, :e].add(
-            jnp.einsum("BKGQS,BQKGH->BSKH", p.astype(v.dtype), do_c, preferred_element_type=f32)
-        )
-        dp = jnp.einsum("BQKGH,BSKH->BKGQS", do_c, v[:, :e], preferred_element_type=f32)
-        ds = (_softmax_grad(p, dp, delta[..., s:e]) * scale).astype(q.dtype)
-        dq.append(jnp.einsum("BKGQS,BSKH->BQKGH", ds, k[:, :e], preferred_element_type=f32))
-        dk = dk.at[:, :e].add(
-            jnp.einsum("BKGQS,BQKGH->BSKH", ds, qg[:, s:e], preferred_element_type=f32)
-        )
-    dq = jnp.concatenate(dq, axis=1).reshape(q.shape)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-_causal_xla.defvjp(_causal_xla_fwd, _causal_xla_bwd)
-
-
 def sliding_window_attention_xla(
     q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, softmax_scale: float | None = None
 ) -> jax.Array:
-    """Blocked XLA implementation; differentiable by autodiff.
+    """Blocked XLA implementation with hand-written backward passes.
 
     ``window >= T`` is plain causal attention: the queries in up to four chunks, each against
-    the keys up to its end (``causal_chunks``), GQA without repeating K/V, with a hand-written
+    the keys up to its end (``chunked_causal``), GQA without repeating K/V, with a hand-written
     backward pass that reuses the forward's probabilities (``docs/kernels.md``: faster than
     ``jax.nn.dot_product_attention``'s autodiff, which computes the masked half of the logits).
     Otherwise the sequence is cut into chunks and each query chunk attends only to the chunks
-    the window reaches. Matmuls take the input dtype with float32 accumulation (probabilities
-    in the value dtype) and the softmax is float32. Shapes as
-    :func:`sliding_window_attention_reference`.
+    the window reaches (the same kind of backward pass). Matmuls take the input dtype with
+    float32 accumulation (probabilities in the value dtype) and the softmax is float32. Shapes
+    as :func:`sliding_window_attention_reference`.
     """
     _validate(q, k, v, window)
     scale = default_scale(q.shape[-1], softmax_scale)
     if window >= q.shape[1]:
-        return _causal_xla(q, k, v, scale)
+        return chunked_causal_attention(q, k, v, None, scale)
     return _banded_xla(q, k, v, window, scale)
 
 

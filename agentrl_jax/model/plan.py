@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from agentrl_jax.config import load_config, to_dataclass
+from agentrl_jax.kernels.block_sparse_xla import uses_dense_form
+from agentrl_jax.kernels.chunked_causal import causal_chunks
 from agentrl_jax.kernels.select import OpShape, select_impl
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer
@@ -178,13 +180,26 @@ def _attention_bytes(cfg: ModelConfig, c: int, kind: str, seq: int, impl: str) -
     if kind == "F":
         topk = min(cfg.sparse_topk_tokens, seq)
         scorer = 8 * n * -(-seq // cfg.sparse_block_size)  # block scores, all implementations
-        return scorer + (8 * n if flash else 4 * k * topk * h * c + 12 * n * topk)
+        if flash:
+            return scorer + 8 * n
+        n_sel = -(-cfg.sparse_topk_tokens // cfg.sparse_block_size)
+        if impl == "xla" and uses_dense_form(seq, n_sel, cfg.sparse_block_size):
+            return scorer + _chunked_causal_bytes(n, seq)  # dense masked scores
+        return scorer + 4 * k * topk * h * c + 12 * n * topk  # gathered blocks
     if flash:
         return 8 * n  # log-sum-exp and row statistics
     if kind == "S" and cfg.window < seq:  # banded XLA path: chunks of keys per query chunk
         chunk = min(seq, max(16, min(cfg.window, 256)))
-        return 20 * n * (-(-(cfg.window - 1) // chunk) + 1) * chunk
-    return 12 * n * seq  # dense scores: logits, probabilities and their gradient (fp32)
+        return 8 * n * (-(-(cfg.window - 1) // chunk) + 1) * chunk
+    return _chunked_causal_bytes(n, seq)
+
+
+def _chunked_causal_bytes(n: int, seq: int) -> float:
+    """Per token: the XLA causal path's fp32 probabilities over the keys up to each query
+    chunk's end (``kernels.chunked_causal``), and one chunk's dP and dS in its backward pass."""
+    chunks = causal_chunks(seq)
+    kept = sum((e - s) * e for s, e in chunks) / seq
+    return 4 * n * kept + 8 * n * seq * max(e - s for s, e in chunks) / seq
 
 
 def activation_bytes(

@@ -17,7 +17,12 @@ from agentrl_jax.kernels.block_sparse_pallas import (
     block_sparse_attention_pallas,
     block_sparse_visits,
 )
-from agentrl_jax.kernels.block_sparse_xla import compact_selection, normalize_block_indices
+from agentrl_jax.kernels.block_sparse_xla import (
+    block_sparse_attention_xla,
+    block_sparse_attention_xla_gather,
+    compact_selection,
+    normalize_block_indices,
+)
 from jax.experimental.pallas import tpu as pltpu
 
 # One unoptimised XLA compile per case: XLA's CPU backend optimisations dominate test time.
@@ -26,7 +31,9 @@ fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimizatio
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 GRAD_TOL = dict(atol=1e-4, rtol=1e-4)  # float32 inputs
 IMPLS = {
+    # At these short sequences "xla" runs the dense masked form (chunked_causal).
     "xla": functools.partial(block_sparse_attention, impl="xla"),
+    "xla-gather": block_sparse_attention_xla_gather,
     "pallas": functools.partial(block_sparse_attention_pallas, interpret=True),
     # Two selected blocks gathered per step, dk/dv over 8-row tiles of 4-token blocks (the
     # padded-tile path small blocks take on GPU).
@@ -117,6 +124,32 @@ def test_gradients_match_reference(impl):
         return [jax.grad(loss, argnums=(1, 2, 3))(f, q, k, v) for f in (fn, ref)]
 
     got, want = grads(q, k, v)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, **GRAD_TOL)
+
+
+@pytest.mark.parametrize(
+    "t,n_sel,qb,dense",
+    [(18, 3, 1, True), (36, 3, 2, True), (140, 2, 1, False), (60, 3, 4, False)],
+)
+def test_xla_dense_masked_form_at_short_sequences(t, n_sel, qb, dense):
+    """impl='xla' computes dense masked logits (the selection as a key mask of
+    ``chunked_causal``) up to 16x the keys a query gathers, else gathers blocks; values and
+    gradients match the reference either way (selections shared within query groups)."""
+    q, k, v, idx = _inputs(1, t, 2, 2, 8, jnp.float32, n_sel=n_sel, block_size=4, seed=t + qb)
+    idx = jnp.repeat(idx[:, ::qb], qb, axis=1)[:, :t]
+    w = jnp.asarray(np.random.default_rng(t).standard_normal(q.shape, np.float32))
+    fn = functools.partial(block_sparse_attention_xla, block_size=4, query_block=qb)
+    assert ("custom_vjp_call" in str(jax.make_jaxpr(fn)(q, k, v, idx))) == dense
+
+    @fast_jit
+    def run(q, k, v):
+        loss = lambda f, q, k, v: jnp.sum(f(q, k, v, idx) * w)
+        ref = functools.partial(block_sparse_attention_reference, block_size=4)
+        return [jax.value_and_grad(loss, argnums=(1, 2, 3))(f, q, k, v) for f in (fn, ref)]
+
+    (got_l, got), (want_l, want) = run(q, k, v)
+    np.testing.assert_allclose(got_l, want_l, **GRAD_TOL)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, **GRAD_TOL)
 

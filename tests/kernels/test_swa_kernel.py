@@ -136,7 +136,7 @@ def test_xla_path_values_and_gradients_match_reference(t, window, g, dtype):
     reference. bf16: probabilities and dS go to the matmuls in bf16 (rel 2^-8 each), so
     gradients are held to 1% of their largest entry (autodiff of
     ``jax.nn.dot_product_attention`` is off by 0.6% at the causal case too)."""
-    from agentrl_jax.kernels.sliding_window import causal_chunks
+    from agentrl_jax.kernels.chunked_causal import causal_chunks
 
     if window >= t:
         chunks = causal_chunks(t)
