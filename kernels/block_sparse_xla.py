@@ -190,10 +190,9 @@ def selected_blocks(block_indices: jax.Array, num_blocks: int, query_block: int 
     b, t, kh, _ = block_indices.shape
     idx = block_indices.astype(jnp.int32)[:, ::query_block]
     idx = jnp.repeat(idx, query_block, axis=1)[:, :t]
-    idx = jnp.where((idx >= 0) & (idx < num_blocks), idx, num_blocks)
+    idx = jnp.where((idx >= 0) & (idx < num_blocks), idx, num_blocks)  # dropped below
     bi, ti, ki, _ = jnp.indices(idx.shape, sparse=True)
-    chosen = jnp.zeros((b, t, kh, num_blocks + 1), bool).at[bi, ti, ki, idx].set(True)
-    return chosen[..., :num_blocks]
+    return jnp.zeros((b, t, kh, num_blocks), bool).at[bi, ti, ki, idx].set(True, mode="drop")
 
 
 def uses_dense_form(seq_len: int, n_sel: int, block_size: int, query_block: int = 1) -> bool:
