@@ -283,7 +283,10 @@ def _at_capacity(x, expert, pos, gates, weights, cap, n_exp, policy, cfg, expert
     out = jnp.concatenate([out.reshape(n_exp * cap, d), jnp.zeros((1, d), out.dtype)], axis=0)
     pair_out = out[slot].astype(policy.accum)  # [K*N, D]; dropped pairs read the zero row
     w = jnp.where(keep, gates.T.reshape(-1), 0).astype(policy.accum)
-    y = jnp.sum((pair_out * w[:, None]).reshape(k, n, d), axis=0)
+    pairs = (pair_out * w[:, None]).reshape(k, n, d)
+    # The k slots summed by adds: XLA's CPU backend turns a sum over the leading axis into a
+    # reduction with the gather above fused into it, ~25x slower (docs/results.md).
+    y = functools.reduce(jnp.add, [pairs[i] for i in range(k)])
     return y.astype(policy.compute), keep.reshape(k, n).T
 
 
