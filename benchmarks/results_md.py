@@ -64,6 +64,7 @@ SUITE: dict[str, list[str]] = {
     "matmul_peak": [],
     "decode_impls": ["--reps", "5"],
     "decode_profile": ["--reps", "3"],
+    "update_profile": ["--reps", "3"],
 }
 REPS_FLAGS: dict[str, tuple[str, ...]] = {
     "compile_depth": ("--reps",),
@@ -77,6 +78,7 @@ REPS_FLAGS: dict[str, tuple[str, ...]] = {
     "matmul_peak": ("--reps",),
     "decode_impls": ("--reps",),
     "decode_profile": ("--reps",),
+    "update_profile": ("--reps",),
     "rollout_baseline": ("--reps",),
     "update_baseline": ("--reps",),
 }
@@ -157,6 +159,12 @@ COLUMNS: dict[str, str] = {
         "attention_us=attention us; ffn_us=FFN us; lm_head_us=LM head us; "
         "sampling_us=sampling us; other_us=other us; ops_over_wall=ops / wall; "
         "paged_decode_impl=paged decode"
+    ),
+    "update_profile": (
+        "variant; step_ms=step ms; attention_fwd_ms=attention fwd; attention_bwd_ms=attention bwd; "
+        "ffn_fwd_ms=FFN fwd; ffn_bwd_ms=FFN bwd; lm_head_fwd_ms=LM head fwd; "
+        "lm_head_bwd_ms=LM head bwd; other_fwd_ms=other fwd; other_bwd_ms=other bwd; "
+        "ops_over_wall=ops / wall"
     ),
     "rollout_baseline": (
         "variant; threads; tokens_per_s=tok/s; decode_tokens_per_s=decode tok/s; "

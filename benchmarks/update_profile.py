@@ -1,0 +1,99 @@
+"""Where an RL update's time goes: a ``jax.profiler`` trace of ``update.py``'s step (JSON lines).
+
+Per model, attention pattern and policy (``update.py``'s batch of 8 x 192 tokens and RLConfig),
+the compiled ``update_fn`` is traced over ``--reps`` calls and the trace's XLA op events of its
+module are summed per part of the model (``decode_profile.part_of``, by the op's name scope:
+``attention``, ``ffn``, ``lm_head``, ``other``: norms, the loss, AdamW) and per pass: ``bwd``
+for ops under the gradient's ``transpose(...)`` scope, ``fwd`` for the rest. Control flow is
+left out (its events enclose the ops inside).
+
+Keys: step_ms (median wall time of a call), ``<part>_<pass>_ms`` (op time per call),
+ops_over_wall (summed op time over the wall time: XLA's CPU runtime runs independent ops at
+once, so parts add up to the op time, not the wall time), plus load_avg_1m and the environment
+fields.
+
+Usage: python benchmarks/update_profile.py [--variants dense-DDDD,moe-DDDD] [--policy fp32]
+       [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import jax
+import numpy as np
+from common import env_fields, load_avg, time_ms
+from decode_profile import _OP, part_of, trace_op_us
+from update import make_batch, model_config
+
+from agentrl_jax.model.transformer import Transformer, init_params
+from agentrl_jax.precision import get_policy
+from agentrl_jax.rl.state import RLConfig, init_train_state
+from agentrl_jax.rl.update import make_update_fn
+
+PARTS = ("attention", "ffn", "lm_head", "other")
+PASSES = ("fwd", "bwd")
+
+
+def op_passes(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """HLO instruction name -> (model part, pass) from a compiled module's text; control flow
+    (``while``, ``cond``, ``call``) left out."""
+    return {
+        name: (part_of(op), "bwd" if "transpose(" in op else "fwd")
+        for name, op in _OP.findall(hlo_text)
+        if not name.startswith(("while", "cond", "call", "closed_call"))
+    }
+
+
+def profile_line(kind: str, pattern: str, reps: int, policy: str = "fp32") -> dict:
+    cfg = model_config(kind, pattern)
+    model = Transformer(cfg, get_policy(policy))
+    rl_cfg = RLConfig(lr=1e-5)
+    batch = make_batch(cfg, np.random.default_rng(0))
+    state = init_train_state(init_params(model, jax.random.key(0)), rl_cfg, jax.random.key(1))
+    key = jax.random.key(2)
+    compiled = make_update_fn(model, rl_cfg).lower(state, batch, key).compile()
+    hlo = compiled.as_text()
+    module = re.search(r"HloModule ([\w.\-]+)", hlo).group(1)
+    holder = {"state": state}
+
+    def step():
+        holder["state"], metrics = compiled(holder["state"], batch, key)
+        return metrics["loss"]
+
+    jax.block_until_ready(step())
+    step_ms = time_ms(step, reps=reps).median_ms
+    per_op = trace_op_us(step, reps, module=module)
+    ms = {(p, s): 0.0 for p in PARTS for s in PASSES}
+    for name, (part, pass_) in op_passes(hlo).items():
+        ms[(part if part in PARTS else "other", pass_)] += per_op.get(name, 0.0) / reps / 1e3
+    line = dict(
+        bench="update_profile",
+        variant=f"{kind}-{pattern}/{policy}",
+        model=kind,
+        pattern=pattern,
+        policy=policy,
+        step_ms=step_ms,
+        **{f"{p}_{s}_ms": ms[(p, s)] for p in PARTS for s in PASSES},
+        ops_over_wall=sum(ms.values()) / step_ms,
+        load_avg_1m=load_avg(),
+    )
+    line.update(env_fields())
+    return line
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default="dense-DDDD,moe-DDDD", help="comma list of kind-pattern")
+    ap.add_argument("--policy", default="fp32")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args(argv)
+    for variant in a.variants.split(","):
+        kind, pattern = variant.split("-")
+        print(json.dumps(profile_line(kind, pattern, a.reps, a.policy)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
