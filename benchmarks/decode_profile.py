@@ -47,14 +47,19 @@ def part_of(op_name: str) -> str:
     return "other"
 
 
-def op_parts(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> model part, from a compiled module's text. Control flow
+def named_ops(hlo_text: str) -> list[tuple[str, str]]:
+    """(HLO instruction name, ``op_name`` scope) of a compiled module's ops. Control flow
     (``while``, ``cond``, ``call``) is left out: its events enclose those of the ops inside."""
-    return {
-        name: part_of(op)
+    return [
+        (name, op)
         for name, op in _OP.findall(hlo_text)
         if not name.startswith(("while", "cond", "call", "closed_call"))
-    }
+    ]
+
+
+def op_parts(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> model part, from a compiled module's text (``named_ops``)."""
+    return {name: part_of(op) for name, op in named_ops(hlo_text)}
 
 
 def trace_op_us(fn, reps: int, module: str) -> dict[str, float]:

@@ -25,7 +25,7 @@ import re
 import jax
 import numpy as np
 from common import env_fields, load_avg, time_ms
-from decode_profile import _OP, part_of, trace_op_us
+from decode_profile import named_ops, part_of, trace_op_us
 from update import make_batch, model_config
 
 from agentrl_jax.model.transformer import Transformer, init_params
@@ -38,12 +38,11 @@ PASSES = ("fwd", "bwd")
 
 
 def op_passes(hlo_text: str) -> dict[str, tuple[str, str]]:
-    """HLO instruction name -> (model part, pass) from a compiled module's text; control flow
-    (``while``, ``cond``, ``call``) left out."""
+    """HLO instruction name -> (model part, pass) from a compiled module's text
+    (``decode_profile.named_ops``: control flow left out)."""
     return {
         name: (part_of(op), "bwd" if "transpose(" in op else "fwd")
-        for name, op in _OP.findall(hlo_text)
-        if not name.startswith(("while", "cond", "call", "closed_call"))
+        for name, op in named_ops(hlo_text)
     }
 
 
