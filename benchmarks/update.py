@@ -27,11 +27,13 @@ Usage: python benchmarks/update.py [--reps 5] [--iter-reps 3] [--only dense-DDDD
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import statistics
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -95,28 +97,44 @@ def rollout(sampler, params, prompts, rng_key):
     return tokens, logp, routes
 
 
-def measure(kind: str, pattern: str, args) -> dict:
-    cfg = model_config(kind, pattern)
-    policy = get_policy(args.policy)
-    model = Transformer(cfg, policy)
-    params = init_params(model, jax.random.key(0))
-    rl_cfg = RLConfig(lr=1e-5)
-    rng = np.random.default_rng(0)
-    batch = make_batch(cfg, rng)
-    update = make_update_fn(model, rl_cfg)
-    state = init_train_state(jax.tree.map(jnp.copy, params), rl_cfg, jax.random.key(1))
-    key = jax.random.key(2)
+@dataclasses.dataclass
+class Step:
+    """The benchmark's ``update_fn`` compiled on a random batch of ``model``; a call runs one
+    step on ``batch`` (default the random one), carries the state and returns the metrics once
+    they are ready (``state.params`` the current parameters)."""
 
-    t0 = time.perf_counter()
-    compiled = update.lower(state, batch, key).compile()
-    compile_s = time.perf_counter() - t0
-    holder = {"state": state}
+    model: Transformer
+    params: dict  # the initial parameters (the state holds a copy)
+    batch: dict
+    compiled: Any
+    compile_s: float
+    state: Any
+    key: jax.Array
 
-    def step(b=batch):
-        holder["state"], m = compiled(holder["state"], b, key)
+    def __call__(self, batch=None):
+        self.state, m = self.compiled(self.state, self.batch if batch is None else batch, self.key)
         jax.block_until_ready(m["loss"])
         return m
 
+
+def build_step(kind: str, pattern: str, policy: str, rng: np.random.Generator) -> Step:
+    """``update.py``'s model, batch (drawn from ``rng``), RLConfig and compiled step."""
+    cfg = model_config(kind, pattern)
+    model = Transformer(cfg, get_policy(policy))
+    params = init_params(model, jax.random.key(0))
+    rl_cfg = RLConfig(lr=1e-5)
+    batch = make_batch(cfg, rng)
+    state = init_train_state(jax.tree.map(jnp.copy, params), rl_cfg, jax.random.key(1))
+    key = jax.random.key(2)
+    t0 = time.perf_counter()
+    compiled = make_update_fn(model, rl_cfg).lower(state, batch, key).compile()
+    return Step(model, params, batch, compiled, time.perf_counter() - t0, state, key)
+
+
+def measure(kind: str, pattern: str, args) -> dict:
+    rng = np.random.default_rng(0)
+    step = build_step(kind, pattern, args.policy, rng)
+    model, params, cfg, key = step.model, step.params, step.model.cfg, step.key
     metrics = step()  # warm
     st = time_ms(step, reps=args.reps, warmup=0)
     step_ms = st.median_ms
@@ -125,12 +143,12 @@ def measure(kind: str, pattern: str, args) -> dict:
         "variant": f"{kind}-{pattern}",
         "model": kind,
         "pattern": pattern,
-        "policy": policy.name,
+        "policy": model.policy.name,
         "batch": BATCH,
         "seq_len": PROMPT + NEW,
         **st.fields("step_ms", digits=2),
         "tokens_per_s": round(BATCH * (PROMPT + NEW) / (step_ms / 1e3), 1),
-        "compile_s": round(compile_s, 2),
+        "compile_s": round(step.compile_s, 2),
         "loss_finite": bool(np.isfinite(float(metrics["loss"]))),
     }
 
@@ -146,7 +164,7 @@ def measure(kind: str, pattern: str, args) -> dict:
 
         def iteration():
             t0 = time.perf_counter()
-            toks, logp, routes = rollout(sampler, holder["state"].params, prompts, key)
+            toks, logp, routes = rollout(sampler, step.state.params, prompts, key)
             rollout_times.append((time.perf_counter() - t0) * 1e3)
             step(make_batch(cfg, rng, toks, logp, routes))
 

@@ -22,16 +22,10 @@ import argparse
 import json
 import re
 
-import jax
 import numpy as np
 from common import env_fields, load_avg, time_ms
 from decode_profile import named_ops, part_of, trace_op_us
-from update import make_batch, model_config
-
-from agentrl_jax.model.transformer import Transformer, init_params
-from agentrl_jax.precision import get_policy
-from agentrl_jax.rl.state import RLConfig, init_train_state
-from agentrl_jax.rl.update import make_update_fn
+from update import build_step
 
 PARTS = ("attention", "ffn", "lm_head", "other")
 PASSES = ("fwd", "bwd")
@@ -47,22 +41,10 @@ def op_passes(hlo_text: str) -> dict[str, tuple[str, str]]:
 
 
 def profile_line(kind: str, pattern: str, reps: int, policy: str = "fp32") -> dict:
-    cfg = model_config(kind, pattern)
-    model = Transformer(cfg, get_policy(policy))
-    rl_cfg = RLConfig(lr=1e-5)
-    batch = make_batch(cfg, np.random.default_rng(0))
-    state = init_train_state(init_params(model, jax.random.key(0)), rl_cfg, jax.random.key(1))
-    key = jax.random.key(2)
-    compiled = make_update_fn(model, rl_cfg).lower(state, batch, key).compile()
-    hlo = compiled.as_text()
+    step = build_step(kind, pattern, policy, np.random.default_rng(0))
+    hlo = step.compiled.as_text()
     module = re.search(r"HloModule ([\w.\-]+)", hlo).group(1)
-    holder = {"state": state}
-
-    def step():
-        holder["state"], metrics = compiled(holder["state"], batch, key)
-        return metrics["loss"]
-
-    jax.block_until_ready(step())
+    step()
     step_ms = time_ms(step, reps=reps).median_ms
     per_op = trace_op_us(step, reps, module=module)
     ms = {(p, s): 0.0 for p in PARTS for s in PASSES}
