@@ -20,8 +20,13 @@ Per line:
 AdamW, bf16 matmul inputs with fp32 accumulation; the default experiment's policy) instead of
 fp32; ``update_baseline.py --dtype bf16`` is its PyTorch counterpart (CPU autocast).
 
+``--micro-batch N`` accumulates the gradient over micro-batches of N sequences
+(``RLConfig.micro_batch``; the same gradient up to float rounding). On XLA's CPU backend two
+micro-batches of 2-4 sequences run faster than the whole batch at once (docs/results.md);
+``update_baseline.py --micro-batch`` is PyTorch's counterpart.
+
 Usage: python benchmarks/update.py [--reps 5] [--iter-reps 3] [--only dense-DDDD,moe-SSSF]
-       [--iteration moe-SSSF | all | none] [--policy fp32 | bf16]
+       [--iteration moe-SSSF | all | none] [--policy fp32 | bf16] [--micro-batch N]
 """
 
 from __future__ import annotations
@@ -117,12 +122,15 @@ class Step:
         return m
 
 
-def build_step(kind: str, pattern: str, policy: str, rng: np.random.Generator) -> Step:
-    """``update.py``'s model, batch (drawn from ``rng``), RLConfig and compiled step."""
+def build_step(
+    kind: str, pattern: str, policy: str, rng: np.random.Generator, micro_batch: int | None = None
+) -> Step:
+    """``update.py``'s model, batch (drawn from ``rng``), RLConfig (``micro_batch`` sequences
+    per gradient-accumulation micro-batch; None: the whole batch at once) and compiled step."""
     cfg = model_config(kind, pattern)
     model = Transformer(cfg, get_policy(policy))
     params = init_params(model, jax.random.key(0))
-    rl_cfg = RLConfig(lr=1e-5)
+    rl_cfg = RLConfig(lr=1e-5, micro_batch=micro_batch)
     batch = make_batch(cfg, rng)
     state = init_train_state(jax.tree.map(jnp.copy, params), rl_cfg, jax.random.key(1))
     key = jax.random.key(2)
@@ -133,7 +141,7 @@ def build_step(kind: str, pattern: str, policy: str, rng: np.random.Generator) -
 
 def measure(kind: str, pattern: str, args) -> dict:
     rng = np.random.default_rng(0)
-    step = build_step(kind, pattern, args.policy, rng)
+    step = build_step(kind, pattern, args.policy, rng, args.micro_batch)
     model, params, cfg, key = step.model, step.params, step.model.cfg, step.key
     metrics = step()  # warm
     st = time_ms(step, reps=args.reps, warmup=0)
@@ -145,6 +153,7 @@ def measure(kind: str, pattern: str, args) -> dict:
         "pattern": pattern,
         "policy": model.policy.name,
         "batch": BATCH,
+        "micro_batch": args.micro_batch or BATCH,
         "seq_len": PROMPT + NEW,
         **st.fields("step_ms", digits=2),
         "tokens_per_s": round(BATCH * (PROMPT + NEW) / (step_ms / 1e3), 1),
@@ -183,6 +192,13 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--iter-reps", type=int, default=3)
     parser.add_argument("--policy", default="fp32", choices=policy_names())
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="RLConfig.micro_batch: sequences per gradient-accumulation micro-batch "
+        f"(divides {BATCH}; default the whole batch)",
+    )
     parser.add_argument("--only", default="", help="comma list of kind-pattern, e.g. moe-SSSF")
     parser.add_argument(
         "--iteration",
@@ -191,6 +207,8 @@ def main(argv=None) -> None:
         "(each costs a sampler compile; the default keeps the run near 5 CPU minutes)",
     )
     args = parser.parse_args(argv)
+    if args.micro_batch is not None and (args.micro_batch < 1 or BATCH % args.micro_batch):
+        parser.error(f"--micro-batch {args.micro_batch} must divide the batch of {BATCH}")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     variants = [(k, p) for k in ("dense", "moe") for p in ("DDDD", "SSSF")]
     if args.only:

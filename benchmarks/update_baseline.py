@@ -22,7 +22,8 @@ memory, docs/results.md). ``update.py``'s MoE instead fills
 so 1.25x the routed rows are computed) and drops overflow pairs.
 
 One step (``step_ms``) does what ``update.py``'s ``update_fn`` does with its RLConfig (1 PPO
-epoch, 1 minibatch, no micro-batching, old_logprobs='recompute', lr 1e-5, clip 0.2/0.2,
+epoch, 1 minibatch, no micro-batching (``--micro-batch N``: gradient accumulation over micro-batches
+of N sequences, as ``update.py --micro-batch N``), old_logprobs='recompute', lr 1e-5, clip 0.2/0.2,
 token-mean, grad clip 1.0, AdamW b 0.9/0.999, eps 1e-8, weight decay 0) on batch 8 x 192
 tokens (64 prompt + 128 action tokens):
   recompute 'fused' (default; what ``update_fn`` does for 1 epoch x 1 minibatch): ONE forward
@@ -74,7 +75,7 @@ Without them (e.g. under the project's venv, as ``make bench`` runs it) it print
 Usage: python benchmarks/update_baseline.py [--models dense,moe] [--reps 5] [--threads 1,2]
        [--recompute fused,separate] [--experts grouped_mm,eager,batched_mm] [--attn sdpa|eager]
        [--compile] [--compile-mode default|reduce-overhead|max-autotune-no-cudagraphs]
-       [--dtype fp32|bf16] [--device cpu|cuda]
+       [--dtype fp32|bf16] [--device cpu|cuda] [--micro-batch N]
 
 ``--device cuda`` runs model, batch and AdamW on the GPU (``torch.cuda.synchronize`` around
 each timed step; ``--dtype bf16`` then autocasts on CUDA); threads only affect host work there.
@@ -276,16 +277,29 @@ def measure(kind, experts, recompute, threads, compiled, args) -> dict:
         loss_fn = torch.compile(loss_fn, mode=mode)
     holder = {}
 
+    micro = args.micro_batch or BATCH
+    n_tok = batch["mask"].float().sum().clamp(min=1.0)
+
     def step():
-        loss, aux = loss_fn(batch["tokens"], batch["targets"], batch["adv"], batch["mask"])
-        loss.backward()
+        # gradient accumulation: each micro-batch's token-mean loss weighted by its share of
+        # the batch's action tokens, so the summed gradient is the whole batch's token mean
+        losses, auxes = [], []
+        for i in range(0, BATCH, micro):
+            mb = {k: v[i : i + micro] for k, v in batch.items()}
+            loss, aux = loss_fn(mb["tokens"], mb["targets"], mb["adv"], mb["mask"])
+            loss = loss * (mb["mask"].float().sum() / n_tok) if micro < BATCH else loss
+            loss.backward()
+            losses.append(loss.detach())
+            auxes.append(aux)
+        loss = sum(losses)
+        aux = tuple(torch.cat(parts) for parts in zip(*auxes))
         gnorm = torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP, foreach=True)
         if bool(torch.isfinite(loss)) and bool(torch.isfinite(gnorm)):
             opt.step()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             holder["m"] = metrics(aux, batch)
-        holder["loss"] = float(loss.detach())
+        holder["loss"] = float(loss)
 
     t0 = time.perf_counter()
     step()  # warm-up (compiles when compiled)
@@ -302,6 +316,7 @@ def measure(kind, experts, recompute, threads, compiled, args) -> dict:
         + (f"/{experts}" if kind == "moe" else "")
         + ("/recompute" if recompute == "separate" else "")
         + ("/bf16" if args.dtype == "bf16" else "")
+        + (f"/micro{micro}" if micro < BATCH else "")
         + f"/t{threads}"
         + ("/compiled" if compiled else "")
         + (f"-{args.compile_mode}" if compiled and args.compile_mode != "default" else ""),
@@ -310,6 +325,7 @@ def measure(kind, experts, recompute, threads, compiled, args) -> dict:
         "pattern": "DDDD",
         "policy": args.dtype,
         "batch": BATCH,
+        "micro_batch": micro,
         "seq_len": T,
         **timing.fields("step_ms", digits=2),
         "tokens_per_s": round(BATCH * T / (step_ms / 1e3), 1),
@@ -347,6 +363,13 @@ def main(argv=None) -> None:
         help="bf16: forward under CPU autocast (update.py --policy bf16's counterpart)",
     )
     ap.add_argument("--threads", default="1,2", help="comma list for torch.set_num_threads")
+    ap.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help=f"sequences per gradient-accumulation micro-batch (divides {BATCH}; default the "
+        "whole batch): update.py --micro-batch's counterpart",
+    )
     ap.add_argument("--recompute", default="fused", help="comma list of fused, separate")
     ap.add_argument(
         "--experts", default="grouped_mm", help="comma list: grouped_mm,eager,batched_mm"
@@ -371,6 +394,8 @@ def main(argv=None) -> None:
         bad = set(getattr(args, field).split(",")) - allowed
         if bad:
             raise ValueError(f"--{field} {sorted(bad)} not in {sorted(allowed)}")
+    if args.micro_batch is not None and (args.micro_batch < 1 or BATCH % args.micro_batch):
+        raise ValueError(f"--micro-batch {args.micro_batch} must divide the batch of {BATCH}")
     threads = [int(t) for t in args.threads.split(",")]
     if any(t < 1 for t in threads):
         raise ValueError(f"--threads {args.threads} must be ints >= 1")

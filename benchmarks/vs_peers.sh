@@ -13,6 +13,9 @@
 #       forward + backward + AdamW on the same shapes, ratio_vs_torch (goal <= 0.67);
 #     variant update/<model>/bf16: update.py --policy bf16 against update_baseline.py --dtype
 #       bf16 (PyTorch + transformers under CPU autocast, run with the peers' torch venv);
+#     both update rows use UPDATE_MICRO (default 2) sequences per gradient-accumulation
+#       micro-batch (update.py / update_baseline.py --micro-batch); PyTorch also runs the whole
+#       batch (the peers' script for fp32) and the ratio takes PyTorch's fastest line;
 #     update lines also carry goal_ms (0.67 x PyTorch's step), matmul_floor_ms (the step's
 #       matmul FLOPs at the best rate matmul_peak.py measured, JAX or PyTorch, at the step's
 #       shapes: no step can be faster) and goal_over_floor (below 1: the goal cannot be met).
@@ -33,6 +36,7 @@ RAW=${2:-$(mktemp -t vs_peers.XXXXXX.jsonl)}
 TUNIX=$PEERS_DIR/tunix-venv/bin/python
 HF=$PEERS_DIR/hf-venv/bin/python
 TORCH_THREADS=${TORCH_THREADS:-1}
+MICRO=${UPDATE_MICRO:-2}
 MEASURE=1
 if [ "${3:-}" = --summarize ]; then
   MEASURE=0
@@ -83,14 +87,19 @@ for M in dense moe; do
   echo ">> update $M" >&2
   # the generate part is short here; the line's fwd_bwd_adamw_ms is the train step
   torch_peer 1 "$HF" hf_generate_bench.py --batch 8 --prompt 64 --new 8 "${flag[@]}"
-  ours update.py --only "$M-DDDD" --iteration none --reps 5
+  # PyTorch at our micro-batch too (the project's baseline script, peers' torch venv; its
+  # --threads: the count torch_peer sets, read back from OMP_NUM_THREADS)
+  torch_peer 1 sh -c 'exec "$0" "$@" --threads "$OMP_NUM_THREADS"' "$HF" \
+    "$ROOT/benchmarks/update_baseline.py" --models "$M" --reps 5 --micro-batch "$MICRO"
+  ours update.py --only "$M-DDDD" --iteration none --reps 5 --micro-batch "$MICRO"
   echo ">> update $M bf16" >&2
   # bf16: ours under the bf16 policy against the project's PyTorch baseline under CPU autocast
-  # (the peers' script has no bf16 train step); run with the peers' torch venv
-  # (its --threads: the count torch_peer sets, read back from OMP_NUM_THREADS)
-  torch_peer 1 sh -c 'exec "$0" "$@" --threads "$OMP_NUM_THREADS"' "$HF" \
-    "$ROOT/benchmarks/update_baseline.py" --models "$M" --dtype bf16 --reps 5
-  ours update.py --only "$M-DDDD" --iteration none --reps 5 --policy bf16
+  # (the peers' script has no bf16 train step), whole batch and micro-batched
+  for mb in 8 "$MICRO"; do
+    torch_peer 1 sh -c 'exec "$0" "$@" --threads "$OMP_NUM_THREADS"' "$HF" \
+      "$ROOT/benchmarks/update_baseline.py" --models "$M" --dtype bf16 --reps 5 --micro-batch "$mb"
+  done
+  ours update.py --only "$M-DDDD" --iteration none --reps 5 --policy bf16 --micro-batch "$MICRO"
 done
 echo ">> matmul peak (the floor under any update step)" >&2
 torch_peer 8 sh -c 'exec "$0" "$@" --threads "$OMP_NUM_THREADS"' "$HF" \
@@ -141,16 +150,19 @@ for m in ("dense", "moe"):
     for policy in ("fp32", "bf16"):
         ours = [r for r in rows if r.get("bench") == "update" and r["model"] == m
                 and r.get("policy", "fp32") == policy]
-        if policy == "fp32":  # the peers' own script: forward + backward + AdamW
-            torch = [(r, r["fwd_bwd_adamw_ms"]) for r in rows
-                     if "fwd_bwd_adamw_ms" in r and peer_model(r) == m]
-        else:  # update_baseline.py under CPU autocast
-            torch = [(r, r["step_ms"]) for r in rows if r.get("bench") == "update_baseline"
-                     and r.get("model") == m and r.get("policy") == "bf16" and "step_ms" in r]
+        # PyTorch: update_baseline.py (bf16 under CPU autocast; fp32 and bf16 whole batch and
+        # micro-batched) and, fp32, the peers' own script (forward + backward + AdamW)
+        torch = [(r, r["step_ms"]) for r in rows if r.get("bench") == "update_baseline"
+                 and r.get("model") == m and r.get("policy") == policy and "step_ms" in r]
+        if policy == "fp32":
+            torch += [(r, r["fwd_bwd_adamw_ms"]) for r in rows
+                      if "fwd_bwd_adamw_ms" in r and peer_model(r) == m]
         if ours and torch:
-            t_row, t_ms = min(torch, key=lambda x: x[1])  # the faster thread count
+            t_row, t_ms = min(torch, key=lambda x: x[1])  # the fastest thread count and form
             line = dict(bench="vs_peers", variant=f"update/{m}/{policy}",
-                        step_ms=ours[-1]["step_ms"], torch_step_ms=t_ms,
+                        step_ms=ours[-1]["step_ms"], micro_batch=ours[-1].get("micro_batch", 8),
+                        torch_step_ms=t_ms, torch_micro_batch=t_row.get("micro_batch", 8),
+                        torch_source=t_row.get("system", t_row.get("bench")),
                         ratio_vs_torch=round(ours[-1]["step_ms"] / t_ms, 3), goal_ratio=0.67,
                         goal_ms=round(0.67 * t_ms, 1),
                         load_avg_1m_max=max(ours[-1]["load_avg_1m"], t_row["load_avg_1m"]))
