@@ -220,6 +220,31 @@ def time_ms(
     return Timing.from_ms(times)
 
 
+def time_interleaved(
+    fns: Sequence[Callable[[], Any]], *, reps: int = 5, warmup: int = 1
+) -> list[Timing]:
+    """Times each of ``fns`` ``reps`` times in rounds (one call of each per round, after
+    ``warmup`` untimed rounds), every call waited for with ``jax.block_until_ready``: drift in
+    the machine's speed hits every function alike, so their ratios hold where separate runs'
+    rates do not.
+
+    Raises:
+      ValueError: no functions, ``reps < 1`` or ``warmup < 0``.
+    """
+    if not fns or reps < 1 or warmup < 0:
+        raise ValueError(f"{len(fns)} functions, reps={reps} (>= 1), warmup={warmup} (>= 0)")
+    for _ in range(warmup):
+        for fn in fns:
+            _block_until_ready(fn())
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, times):
+            t0 = time.perf_counter()
+            _block_until_ready(fn())
+            out.append((time.perf_counter() - t0) * 1e3)
+    return [Timing.from_ms(t) for t in times]
+
+
 def load_avg() -> float | None:
     """The 1-minute load average (None where the OS does not report one)."""
     try:

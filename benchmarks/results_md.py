@@ -118,8 +118,9 @@ COLUMNS: dict[str, str] = {
         "tunix-Sampler_new_tokens_per_s=Tunix new tok/s; "
         "hf-transformers-generate_new_tokens_per_s=HF new tok/s; "
         "hf-transformers-generate_torch_threads=HF threads; "
-        "ratio_vs_best_peer=vs best peer; step_ms=step ms; torch_step_ms=PyTorch step ms; "
-        "torch_threads=PyTorch threads; ratio_vs_torch=vs PyTorch; goal_ratio=goal; "
+        "ratio_vs_best_peer=vs best peer; step_ms=step ms; micro_batch=micro-batch; "
+        "torch_step_ms=PyTorch step ms; torch_threads=PyTorch threads; "
+        "torch_micro_batch=PyTorch micro-batch; ratio_vs_torch=vs PyTorch; goal_ratio=goal; "
         "goal_ms=goal ms; matmul_floor_ms=matmul floor ms; goal_over_floor=goal / floor"
     ),
     "matmul_peak": (
@@ -132,7 +133,8 @@ COLUMNS: dict[str, str] = {
         "ratio_vs_fast=vs fast; max_abs_dlogp_vs_fast=max abs dlogp vs fast"
     ),
     "update": (
-        "variant; policy; step_ms=step ms; step_ms_min=min; step_ms_max=max; "
+        "variant; policy; micro_batch=micro-batch; step_ms=step ms; step_ms_min=min; "
+        "step_ms_max=max; "
         "tokens_per_s=tok/s; compile_s=compile s; rl_iteration_ms=RL iteration ms; "
         "rollout_ms=of it rollout ms"
     ),

@@ -21,12 +21,14 @@ AdamW, bf16 matmul inputs with fp32 accumulation; the default experiment's polic
 fp32; ``update_baseline.py --dtype bf16`` is its PyTorch counterpart (CPU autocast).
 
 ``--micro-batch N`` accumulates the gradient over micro-batches of N sequences
-(``RLConfig.micro_batch``; the same gradient up to float rounding). On XLA's CPU backend two
-micro-batches of 2-4 sequences run faster than the whole batch at once (docs/results.md);
+(``RLConfig.micro_batch``; the same gradient up to float rounding); a comma list (``8,4,2``)
+builds a step per size and times them in rounds in one process, each line then with
+``ratio_vs_first`` (its median over the first size's). On XLA's CPU backend micro-batches of
+2-4 sequences run faster than the whole batch at once (docs/results.md);
 ``update_baseline.py --micro-batch`` is PyTorch's counterpart.
 
 Usage: python benchmarks/update.py [--reps 5] [--iter-reps 3] [--only dense-DDDD,moe-SSSF]
-       [--iteration moe-SSSF | all | none] [--policy fp32 | bf16] [--micro-batch N]
+       [--iteration moe-SSSF | all | none] [--policy fp32 | bf16] [--micro-batch N[,N...]]
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import NEW, PROMPT, bench_model, env_fields, time_ms
+from common import NEW, PROMPT, bench_model, env_fields, time_interleaved, time_ms
 
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
@@ -139,27 +141,38 @@ def build_step(
     return Step(model, params, batch, compiled, time.perf_counter() - t0, state, key)
 
 
-def measure(kind: str, pattern: str, args) -> dict:
+def measure(kind: str, pattern: str, args) -> list[dict]:
+    """One line per micro-batch size of ``args.micro_batch``; several are timed in rounds in
+    one process (``common.time_interleaved``) and carry ``ratio_vs_first``."""
     rng = np.random.default_rng(0)
-    step = build_step(kind, pattern, args.policy, rng, args.micro_batch)
+    # every size gets the same batch (the first draws it from rng, as a single size does)
+    steps = [
+        build_step(kind, pattern, args.policy, rng if i == 0 else np.random.default_rng(0), m)
+        for i, m in enumerate(args.micro_batch)
+    ]
+    metrics = [step() for step in steps]  # warm
+    timings = time_interleaved(steps, reps=args.reps, warmup=0)
+    lines = []
+    for m, step, st, met in zip(args.micro_batch, steps, timings, metrics):
+        lines.append({
+            "bench": "update",
+            "variant": f"{kind}-{pattern}",
+            "model": kind,
+            "pattern": pattern,
+            "policy": step.model.policy.name,
+            "batch": BATCH,
+            "micro_batch": m or BATCH,
+            "seq_len": PROMPT + NEW,
+            **st.fields("step_ms", digits=2),
+            "tokens_per_s": round(BATCH * (PROMPT + NEW) / (st.median_ms / 1e3), 1),
+            "compile_s": round(step.compile_s, 2),
+            "loss_finite": bool(np.isfinite(float(met["loss"]))),
+        })  # fmt: skip
+        if len(steps) > 1:
+            lines[-1]["ratio_vs_first"] = round(st.median_ms / timings[0].median_ms, 3)
+            lines[-1]["interleaved_micro_batches"] = [m or BATCH for m in args.micro_batch]
+    step, line = steps[0], lines[0]
     model, params, cfg, key = step.model, step.params, step.model.cfg, step.key
-    metrics = step()  # warm
-    st = time_ms(step, reps=args.reps, warmup=0)
-    step_ms = st.median_ms
-    line = {
-        "bench": "update",
-        "variant": f"{kind}-{pattern}",
-        "model": kind,
-        "pattern": pattern,
-        "policy": model.policy.name,
-        "batch": BATCH,
-        "micro_batch": args.micro_batch or BATCH,
-        "seq_len": PROMPT + NEW,
-        **st.fields("step_ms", digits=2),
-        "tokens_per_s": round(BATCH * (PROMPT + NEW) / (step_ms / 1e3), 1),
-        "compile_s": round(step.compile_s, 2),
-        "loss_finite": bool(np.isfinite(float(metrics["loss"]))),
-    }
 
     if args.iteration == "all" or f"{kind}-{pattern}" in args.iteration.split(","):
         scfg = RolloutConfig(max_new_tokens=NEW, chunk=4, page_size=16, max_len=256)
@@ -183,8 +196,7 @@ def measure(kind: str, pattern: str, args) -> dict:
             **it.fields("rl_iteration_ms", digits=2),
             "rollout_variant": "rollout.sampler prefill+decode (chunk 4), no early stop",
         }
-    line |= env_fields()
-    return line
+    return [ln | env_fields() for ln in lines]
 
 
 def main(argv=None) -> None:
@@ -194,10 +206,10 @@ def main(argv=None) -> None:
     parser.add_argument("--policy", default="fp32", choices=policy_names())
     parser.add_argument(
         "--micro-batch",
-        type=int,
-        default=None,
+        default=str(BATCH),
         help="RLConfig.micro_batch: sequences per gradient-accumulation micro-batch "
-        f"(divides {BATCH}; default the whole batch)",
+        f"(divides {BATCH}; default the whole batch); a comma list times each size in rounds "
+        "in one process",
     )
     parser.add_argument("--only", default="", help="comma list of kind-pattern, e.g. moe-SSSF")
     parser.add_argument(
@@ -207,15 +219,21 @@ def main(argv=None) -> None:
         "(each costs a sampler compile; the default keeps the run near 5 CPU minutes)",
     )
     args = parser.parse_args(argv)
-    if args.micro_batch is not None and (args.micro_batch < 1 or BATCH % args.micro_batch):
-        parser.error(f"--micro-batch {args.micro_batch} must divide the batch of {BATCH}")
+    try:
+        micro = [int(m) for m in args.micro_batch.split(",")]
+    except ValueError:
+        micro = [0]
+    if any(m < 1 or BATCH % m for m in micro):
+        parser.error(f"--micro-batch {args.micro_batch}: each must divide the batch of {BATCH}")
+    args.micro_batch = [None if m == BATCH else m for m in micro]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     variants = [(k, p) for k in ("dense", "moe") for p in ("DDDD", "SSSF")]
     if args.only:
         keep = set(args.only.split(","))
         variants = [(k, p) for k, p in variants if f"{k}-{p}" in keep]
     for kind, pattern in variants:
-        print(json.dumps(measure(kind, pattern, args)), flush=True)
+        for line in measure(kind, pattern, args):
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ once, so parts add up to the op time, not the wall time), plus load_avg_1m and t
 fields.
 
 Usage: python benchmarks/update_profile.py [--variants dense-DDDD,moe-DDDD] [--policy fp32]
-       [--reps 3]
+       [--reps 3] [--micro-batch N]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import re
 import numpy as np
 from common import env_fields, load_avg, time_ms
 from decode_profile import named_ops, part_of, trace_op_us
-from update import build_step
+from update import BATCH, build_step
 
 PARTS = ("attention", "ffn", "lm_head", "other")
 PASSES = ("fwd", "bwd")
@@ -40,8 +40,10 @@ def op_passes(hlo_text: str) -> dict[str, tuple[str, str]]:
     }
 
 
-def profile_line(kind: str, pattern: str, reps: int, policy: str = "fp32") -> dict:
-    step = build_step(kind, pattern, policy, np.random.default_rng(0))
+def profile_line(
+    kind: str, pattern: str, reps: int, policy: str = "fp32", micro_batch: int | None = None
+) -> dict:
+    step = build_step(kind, pattern, policy, np.random.default_rng(0), micro_batch)
     hlo = step.compiled.as_text()
     module = re.search(r"HloModule ([\w.\-]+)", hlo).group(1)
     step()
@@ -52,10 +54,11 @@ def profile_line(kind: str, pattern: str, reps: int, policy: str = "fp32") -> di
         ms[(part if part in PARTS else "other", pass_)] += per_op.get(name, 0.0) / reps / 1e3
     line = dict(
         bench="update_profile",
-        variant=f"{kind}-{pattern}/{policy}",
+        variant=f"{kind}-{pattern}/{policy}" + (f"/micro{micro_batch}" if micro_batch else ""),
         model=kind,
         pattern=pattern,
         policy=policy,
+        micro_batch=micro_batch or BATCH,
         step_ms=step_ms,
         **{f"{p}_{s}_ms": ms[(p, s)] for p in PARTS for s in PASSES},
         ops_over_wall=sum(ms.values()) / step_ms,
@@ -70,10 +73,11 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default="dense-DDDD,moe-DDDD", help="comma list of kind-pattern")
     ap.add_argument("--policy", default="fp32")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--micro-batch", type=int, default=None, help="update.py --micro-batch")
     a = ap.parse_args(argv)
     for variant in a.variants.split(","):
         kind, pattern = variant.split("-")
-        print(json.dumps(profile_line(kind, pattern, a.reps, a.policy)), flush=True)
+        print(json.dumps(profile_line(kind, pattern, a.reps, a.policy, a.micro_batch)), flush=True)
 
 
 if __name__ == "__main__":
