@@ -134,7 +134,7 @@ COLUMNS: dict[str, str] = {
     ),
     "update": (
         "variant; policy; micro_batch=micro-batch; step_ms=step ms; step_ms_min=min; "
-        "step_ms_max=max; "
+        "step_ms_max=max; ratio_vs_first=vs first micro-batch (same process); "
         "tokens_per_s=tok/s; compile_s=compile s; rl_iteration_ms=RL iteration ms; "
         "rollout_ms=of it rollout ms"
     ),

@@ -22,10 +22,10 @@ memory, docs/results.md). ``update.py``'s MoE instead fills
 so 1.25x the routed rows are computed) and drops overflow pairs.
 
 One step (``step_ms``) does what ``update.py``'s ``update_fn`` does with its RLConfig (1 PPO
-epoch, 1 minibatch, no micro-batching (``--micro-batch N``: gradient accumulation over micro-batches
-of N sequences, as ``update.py --micro-batch N``), old_logprobs='recompute', lr 1e-5, clip 0.2/0.2,
-token-mean, grad clip 1.0, AdamW b 0.9/0.999, eps 1e-8, weight decay 0) on batch 8 x 192
-tokens (64 prompt + 128 action tokens):
+epoch, 1 minibatch, no micro-batching unless ``--micro-batch N``: gradient accumulation over
+micro-batches of N sequences, as ``update.py --micro-batch N``; old_logprobs='recompute', lr
+1e-5, clip 0.2/0.2, token-mean, grad clip 1.0, AdamW b 0.9/0.999, eps 1e-8, weight decay 0)
+on batch 8 x 192 tokens (64 prompt + 128 action tokens):
   recompute 'fused' (default; what ``update_fn`` does for 1 epoch x 1 minibatch): ONE forward
     with grad; logp = log_softmax(logits[:, :-1]) gathered at tokens[:, 1:]; the PPO anchor is
     logp.detach() (ratio 1, as the recompute with the pre-update parameters would give);

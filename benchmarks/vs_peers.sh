@@ -95,7 +95,7 @@ for M in dense moe; do
   echo ">> update $M bf16" >&2
   # bf16: ours under the bf16 policy against the project's PyTorch baseline under CPU autocast
   # (the peers' script has no bf16 train step), whole batch and micro-batched
-  for mb in 8 "$MICRO"; do
+  for mb in $(printf '%s\n' 8 "$MICRO" | sort -u); do
     torch_peer 1 sh -c 'exec "$0" "$@" --threads "$OMP_NUM_THREADS"' "$HF" \
       "$ROOT/benchmarks/update_baseline.py" --models "$M" --dtype bf16 --reps 5 --micro-batch "$mb"
   done
