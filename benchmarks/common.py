@@ -207,40 +207,34 @@ def time_ms(
     Raises:
       ValueError: ``reps < 1`` or ``warmup < 0``.
     """
-    if reps < 1 or warmup < 0:
-        raise ValueError(f"reps={reps} must be >= 1 and warmup={warmup} >= 0")
-    sync = _block_until_ready if sync is None else sync
-    for _ in range(warmup):
-        sync(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        sync(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return Timing.from_ms(times)
+    return time_interleaved([fn], reps=reps, warmup=warmup, sync=sync)[0]
 
 
 def time_interleaved(
-    fns: Sequence[Callable[[], Any]], *, reps: int = 5, warmup: int = 1
+    fns: Sequence[Callable[[], Any]],
+    *,
+    reps: int = 5,
+    warmup: int = 1,
+    sync: Callable[[Any], Any] | None = None,
 ) -> list[Timing]:
-    """Times each of ``fns`` ``reps`` times in rounds (one call of each per round, after
-    ``warmup`` untimed rounds), every call waited for with ``jax.block_until_ready``: drift in
-    the machine's speed hits every function alike, so their ratios hold where separate runs'
-    rates do not.
+    """:func:`time_ms` of each of ``fns``, in rounds: one call of each per round (after
+    ``warmup`` untimed rounds), so drift in the machine's speed hits every function alike and
+    their ratios hold where separate runs' rates do not.
 
     Raises:
       ValueError: no functions, ``reps < 1`` or ``warmup < 0``.
     """
     if not fns or reps < 1 or warmup < 0:
-        raise ValueError(f"{len(fns)} functions, reps={reps} (>= 1), warmup={warmup} (>= 0)")
+        raise ValueError(f"reps={reps} must be >= 1 and warmup={warmup} >= 0, for {len(fns)} fns")
+    sync = _block_until_ready if sync is None else sync
     for _ in range(warmup):
         for fn in fns:
-            _block_until_ready(fn())
+            sync(fn())
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
         for fn, out in zip(fns, times):
             t0 = time.perf_counter()
-            _block_until_ready(fn())
+            sync(fn())
             out.append((time.perf_counter() - t0) * 1e3)
     return [Timing.from_ms(t) for t in times]
 

@@ -1,18 +1,11 @@
 """benchmarks/decode_impls.py: the XLA and C++ paged decode kernels side by side."""
 
-import sys
-
 import pytest
 from agentrl_jax.kernels import paged_decode_cpu
 
-from benchmarks import common
+from benchmarks import script
 
-sys.modules.setdefault("common", common)  # the scripts import their directory's modules
-from benchmarks import long_context, rollout  # noqa: E402
-
-sys.modules.setdefault("long_context", long_context)
-sys.modules.setdefault("rollout", rollout)
-from benchmarks import decode_impls  # noqa: E402
+decode_impls = script("decode_impls")
 
 pytestmark = [
     pytest.mark.skipif(

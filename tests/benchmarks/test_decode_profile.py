@@ -1,16 +1,10 @@
 """benchmarks/decode_profile.py: a rollout's decode time by model part, from a profiler trace."""
 
-import sys
-
 import pytest
 
-from benchmarks import common
+from benchmarks import script
 
-sys.modules.setdefault("common", common)  # the scripts import their directory's modules
-from benchmarks import rollout  # noqa: E402
-
-sys.modules.setdefault("rollout", rollout)
-from benchmarks import decode_profile  # noqa: E402
+decode_profile = script("decode_profile")
 
 
 def test_ops_are_attributed_by_name_scope_and_control_flow_is_left_out():

@@ -1,19 +1,16 @@
 """benchmarks/long_context.py: the decode part's random fill against a real prefill."""
 
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import common
+from agentrl_jax.model.transformer import Transformer, init_params
+from agentrl_jax.precision import get_policy
+from agentrl_jax.rollout.sampler import Sampler
+from benchmarks import script
 
-sys.modules.setdefault("common", common)  # the script imports its directory's ``common``
-from agentrl_jax.model.transformer import Transformer, init_params  # noqa: E402
-from agentrl_jax.precision import get_policy  # noqa: E402
-from agentrl_jax.rollout.sampler import Sampler  # noqa: E402
-from benchmarks import long_context as lc  # noqa: E402
+lc = script("long_context")
 
 # 2 layers (S, F), 8-token blocks, top-k 64 tokens (8 blocks): far fewer than the context's 48
 # blocks (less the evicted ones), as at 32k.

@@ -1,17 +1,12 @@
 """benchmarks/update.py: the micro-batched update step (``--micro-batch``)."""
 
 import json
-import sys
 
 import pytest
 
-from benchmarks import common
+from benchmarks import script
 
-sys.modules.setdefault("common", common)  # the scripts import their directory's modules
-from benchmarks import rollout  # noqa: E402
-
-sys.modules.setdefault("rollout", rollout)
-from benchmarks import update  # noqa: E402
+update = script("update")
 
 
 @pytest.mark.parametrize("bad", ["3", "0", "16"])

@@ -1,20 +1,10 @@
 """benchmarks/update_profile.py: an RL update's op time by model part and pass, from a trace."""
 
-import sys
-
 import pytest
 
-from benchmarks import common
+from benchmarks import script
 
-sys.modules.setdefault("common", common)  # the scripts import their directory's modules
-from benchmarks import rollout  # noqa: E402
-
-sys.modules.setdefault("rollout", rollout)
-from benchmarks import decode_profile, update  # noqa: E402
-
-sys.modules.setdefault("decode_profile", decode_profile)
-sys.modules.setdefault("update", update)
-from benchmarks import update_profile  # noqa: E402
+update_profile = script("update_profile")
 
 
 def test_ops_are_attributed_by_scope_and_pass():
