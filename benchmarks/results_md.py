@@ -133,8 +133,9 @@ COLUMNS: dict[str, str] = {
         "ratio_vs_fast=vs fast; max_abs_dlogp_vs_fast=max abs dlogp vs fast"
     ),
     "update": (
-        "variant; policy; micro_batch=micro-batch; step_ms=step ms; step_ms_min=min; "
-        "step_ms_max=max; ratio_vs_first=vs first micro-batch (same process); "
+        "variant; policy; micro_batch=micro-batch; expert_matmul=expert matmuls; "
+        "step_ms=step ms; step_ms_min=min; step_ms_max=max; "
+        "ratio_vs_first=vs first line (same process); "
         "tokens_per_s=tok/s; compile_s=compile s; rl_iteration_ms=RL iteration ms; "
         "rollout_ms=of it rollout ms"
     ),

@@ -27,8 +27,15 @@ builds a step per size and times them in rounds in one process, each line then w
 2-4 sequences run faster than the whole batch at once (docs/results.md);
 ``update_baseline.py --micro-batch`` is PyTorch's counterpart.
 
+``--expert-matmul per-expert,batched`` (MoE variants) builds the step with each form of the
+expert matmuls (``moe._expert_einsum``: ``per-expert``, the default, runs bf16 expert matmuls on
+the CPU backend as one 2-D matmul per expert; ``batched`` as one batched einsum, i.e.
+``moe.PER_EXPERT_MAX = 0``); with several forms or micro-batch sizes every pair is timed in
+rounds in one process, each MoE line with ``expert_matmul``.
+
 Usage: python benchmarks/update.py [--reps 5] [--iter-reps 3] [--only dense-DDDD,moe-SSSF]
        [--iteration moe-SSSF | all | none] [--policy fp32 | bf16] [--micro-batch N[,N...]]
+       [--expert-matmul per-expert[,batched]]
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from common import NEW, PROMPT, bench_model, env_fields, time_interleaved, time_ms
 
+from agentrl_jax.model import moe
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy, policy_names
@@ -124,11 +132,20 @@ class Step:
         return m
 
 
+EXPERT_MATMULS = {"per-expert": moe.PER_EXPERT_MAX, "batched": 0}  # -> moe.PER_EXPERT_MAX
+
+
 def build_step(
-    kind: str, pattern: str, policy: str, rng: np.random.Generator, micro_batch: int | None = None
+    kind: str,
+    pattern: str,
+    policy: str,
+    rng: np.random.Generator,
+    micro_batch: int | None = None,
+    expert_matmul: str = "per-expert",
 ) -> Step:
     """``update.py``'s model, batch (drawn from ``rng``), RLConfig (``micro_batch`` sequences
-    per gradient-accumulation micro-batch; None: the whole batch at once) and compiled step."""
+    per gradient-accumulation micro-batch; None: the whole batch at once) and compiled step,
+    its MoE expert matmuls in the form ``expert_matmul`` (``EXPERT_MATMULS``)."""
     cfg = model_config(kind, pattern)
     model = Transformer(cfg, get_policy(policy))
     params = init_params(model, jax.random.key(0))
@@ -137,23 +154,30 @@ def build_step(
     state = init_train_state(jax.tree.map(jnp.copy, params), rl_cfg, jax.random.key(1))
     key = jax.random.key(2)
     t0 = time.perf_counter()
-    compiled = make_update_fn(model, rl_cfg).lower(state, batch, key).compile()
+    default, moe.PER_EXPERT_MAX = moe.PER_EXPERT_MAX, EXPERT_MATMULS[expert_matmul]
+    try:  # read when the step is traced
+        compiled = make_update_fn(model, rl_cfg).lower(state, batch, key).compile()
+    finally:
+        moe.PER_EXPERT_MAX = default
     return Step(model, params, batch, compiled, time.perf_counter() - t0, state, key)
 
 
 def measure(kind: str, pattern: str, args) -> list[dict]:
-    """One line per micro-batch size of ``args.micro_batch``; several are timed in rounds in
-    one process (``common.time_interleaved``) and carry ``ratio_vs_first``."""
+    """One line per (expert-matmul form, micro-batch size) of ``args`` (dense models: the first
+    form only); several are timed in rounds in one process (``common.time_interleaved``) and
+    carry ``ratio_vs_first``."""
     rng = np.random.default_rng(0)
-    # every size gets the same batch (the first draws it from rng, as a single size does)
+    forms = args.expert_matmul if kind == "moe" else args.expert_matmul[:1]
+    configs = [(m, e) for e in forms for m in args.micro_batch]
+    # every config gets the same batch (the first draws it from rng, as a single one does)
     steps = [
-        build_step(kind, pattern, args.policy, rng if i == 0 else np.random.default_rng(0), m)
-        for i, m in enumerate(args.micro_batch)
+        build_step(kind, pattern, args.policy, rng if i == 0 else np.random.default_rng(0), m, e)
+        for i, (m, e) in enumerate(configs)
     ]
     metrics = [step() for step in steps]  # warm
     timings = time_interleaved(steps, reps=args.reps, warmup=0)
     lines = []
-    for m, step, st, met in zip(args.micro_batch, steps, timings, metrics):
+    for (m, e), step, st, met in zip(configs, steps, timings, metrics):
         lines.append({
             "bench": "update",
             "variant": f"{kind}-{pattern}",
@@ -168,9 +192,13 @@ def measure(kind: str, pattern: str, args) -> list[dict]:
             "compile_s": round(step.compile_s, 2),
             "loss_finite": bool(np.isfinite(float(met["loss"]))),
         })  # fmt: skip
+        if kind == "moe":
+            lines[-1]["expert_matmul"] = e
         if len(steps) > 1:
             lines[-1]["ratio_vs_first"] = round(st.median_ms / timings[0].median_ms, 3)
             lines[-1]["interleaved_micro_batches"] = [m or BATCH for m in args.micro_batch]
+            if len(forms) > 1:
+                lines[-1]["interleaved_expert_matmuls"] = forms
     step, line = steps[0], lines[0]
     model, params, cfg, key = step.model, step.params, step.model.cfg, step.key
 
@@ -211,6 +239,12 @@ def main(argv=None) -> None:
         f"(divides {BATCH}; default the whole batch); a comma list times each size in rounds "
         "in one process",
     )
+    parser.add_argument(
+        "--expert-matmul",
+        default="per-expert",
+        help="MoE expert matmul forms, comma list of per-expert, batched; several are timed in "
+        "rounds in one process",
+    )
     parser.add_argument("--only", default="", help="comma list of kind-pattern, e.g. moe-SSSF")
     parser.add_argument(
         "--iteration",
@@ -226,6 +260,9 @@ def main(argv=None) -> None:
     if any(m < 1 or BATCH % m for m in micro):
         parser.error(f"--micro-batch {args.micro_batch}: each must divide the batch of {BATCH}")
     args.micro_batch = [None if m == BATCH else m for m in micro]
+    args.expert_matmul = args.expert_matmul.split(",")
+    if unknown := sorted(set(args.expert_matmul) - set(EXPERT_MATMULS)):
+        parser.error(f"--expert-matmul {unknown}: known forms are {sorted(EXPERT_MATMULS)}")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     variants = [(k, p) for k in ("dense", "moe") for p in ("DDDD", "SSSF")]
     if args.only:

@@ -86,15 +86,34 @@ def mixed_batched_dot_compiles(compute: str, accum: str) -> bool:
     return True
 
 
-def _expert_einsum(policy: DTypePolicy, subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """``policy.einsum`` for batched per-expert matmuls.
+# On the CPU backend, up to this many local experts run their narrow-dtype (bf16) matmuls as one
+# 2-D matmul per expert, forward and backward (``_per_expert_matmul``); more go batched.
+PER_EXPERT_MAX = 16
 
-    Where the CPU backend rejects the mixed-dtype batched dot (``mixed_batched_dot_compiles``)
+
+def _expert_einsum(policy: DTypePolicy, subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``policy.einsum`` for batched per-expert matmuls ``EC<k>,E<k><n>->EC<n>``.
+
+    On the CPU backend, with a compute dtype narrower than the accumulation (bf16) and at most
+    ``PER_EXPERT_MAX`` local experts, each expert's product is a 2-D matmul
+    (``_per_expert_matmul``): XLA CPU runs the 2-D bf16 dots of the forward and of the
+    hand-written backward in its fast matmul library, the batched ones in a slower generic dot
+    (the bf16 MoE update step 0.78-0.85x as long; docs/results.md). Elsewhere one batched dot;
+    where the CPU backend rejects the mixed-dtype batched dot (``mixed_batched_dot_compiles``)
     the inputs are rounded to the compute dtype first and multiplied in the accumulation dtype:
     the same products, a dot every CPU build has, at about 0.4x the bf16 rate where both exist.
     """
+    cpu = jax.default_backend() == "cpu"
+    narrow = jnp.dtype(policy.compute).itemsize < jnp.dtype(policy.accum).itemsize
+    if cpu and narrow and not policy.fp8_matmul and w.shape[0] <= PER_EXPERT_MAX:
+        ins, out = subscripts.split("->")
+        xs, ws = ins.split(",")
+        if (xs[0], xs[1], xs[2], ws[2]) != (ws[0], out[1], ws[1], out[2]) or out[0] != xs[0]:
+            raise ValueError(f"expert matmul {subscripts!r} is not EC<k>,E<k><n>->EC<n>")
+        x, w = x.astype(policy.compute), w.astype(policy.compute)
+        return _per_expert_matmul(x, w, policy.accum, policy.compute)
     if (
-        jax.default_backend() != "cpu"
+        not cpu
         or policy.compute == policy.accum
         or mixed_batched_dot_compiles(policy.compute_dtype, policy.accum_dtype)
     ):
@@ -103,6 +122,34 @@ def _expert_einsum(policy: DTypePolicy, subscripts: str, x: jax.Array, w: jax.Ar
         x, w = x.astype(policy.compute), w.astype(policy.compute)
     wide = policy.replace(compute_dtype=policy.accum_dtype)
     return wide.einsum(subscripts, x, w).astype(policy.compute)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _per_expert_matmul(x, w, accum, out):
+    """x [E, C, K] @ w [E, K, N] -> [E, C, N] in ``out``, accumulated in ``accum``, as E 2-D
+    matmuls; the backward reads the cotangent in x's dtype and is E 2-D matmuls per operand
+    (the weight gradients in ``precision._matmul``'s fast form, a leading unit batch axis).
+    The same products and sums as the batched einsum; only the summation order may differ."""
+    return _per_expert_fwd(x, w, accum, out)[0]
+
+
+def _per_expert_fwd(x, w, accum, out):
+    ys = [jnp.einsum("ck,kn->cn", x[e], w[e], preferred_element_type=accum) for e in range(len(w))]
+    return jnp.stack(ys).astype(out), (x, w)
+
+
+def _per_expert_bwd(accum, out, res, g):
+    x, w = res
+    g = g.astype(x.dtype)
+    dx = [jnp.einsum("cn,kn->ck", g[e], w[e], preferred_element_type=accum) for e in range(len(w))]
+    dw = [
+        jnp.einsum("uck,ucn->kn", x[e][None], g[e][None], preferred_element_type=accum)
+        for e in range(len(w))
+    ]
+    return jnp.stack(dx).astype(x.dtype), jnp.stack(dw).astype(w.dtype)
+
+
+_per_expert_matmul.defvjp(_per_expert_fwd, _per_expert_bwd)
 
 
 class MLP(nn.Module):

@@ -1,4 +1,5 @@
-"""benchmarks/update.py: the micro-batched update step (``--micro-batch``)."""
+"""benchmarks/update.py: the micro-batched update step (``--micro-batch``) and the MoE expert
+matmul forms (``--expert-matmul``)."""
 
 import json
 
@@ -14,6 +15,12 @@ def test_micro_batch_must_divide_the_batch(bad, capsys):
     with pytest.raises(SystemExit):
         update.main(["--micro-batch", bad])
     assert "must divide the batch of 8" in capsys.readouterr().err
+
+
+def test_unknown_expert_matmul_form_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        update.main(["--expert-matmul", "per-expert,grouped"])
+    assert "--expert-matmul ['grouped']" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # compiles the benchmark update twice (about 20 s)

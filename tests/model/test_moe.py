@@ -284,29 +284,45 @@ def test_bf16_policy_runs_on_cpu():
     assert all(g.dtype == jnp.float32 and np.isfinite(np.asarray(g)).all() for g in grads.values())
 
 
-def test_bf16_expert_matmuls_native_and_rounded_agree(monkeypatch):
-    """bf16 expert matmuls are bf16 x bf16 -> f32 dots where the CPU build compiles them
-    (``mixed_batched_dot_compiles``), else f32 dots of the inputs rounded to bf16. Both give the
-    same outputs up to the order of the f32 sums, and gradients within bf16 rounding (the
-    cotangents are bf16) of fp32 gradients at the bf16-rounded parameters and inputs."""
+def test_bf16_expert_matmuls_per_expert_native_and_rounded_agree(monkeypatch):
+    """bf16 expert matmuls on CPU are one 2-D bf16 x bf16 -> f32 dot per expert, forward and
+    backward (``PER_EXPERT_MAX`` experts or fewer); above it one batched dot, bf16 x bf16 -> f32
+    where the CPU build compiles it (``mixed_batched_dot_compiles``), else f32 of the inputs
+    rounded to bf16. All three give the same outputs up to the order of the f32 sums, and
+    gradients within bf16 rounding (the cotangents are bf16) of fp32 gradients at the
+    bf16-rounded parameters and inputs."""
     pol = get_policy("bf16")
     x, valid = _x().astype(jnp.bfloat16), jnp.asarray(VALID)
     rounded_params = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), PARAMS)
     g_ref, _, _ = _grad(rounded_params, x.astype(jnp.float32), valid)
+    n_exp = CFG.n_experts
     ys = []
-    for compiles in (True, False):
+    for per_expert_max, compiles in ((n_exp, True), (n_exp - 1, True), (n_exp - 1, False)):
+        monkeypatch.setattr(moe_module, "PER_EXPERT_MAX", per_expert_max)
         monkeypatch.setattr(moe_module, "mixed_batched_dot_compiles", lambda *a, c=compiles: c)
         jax.clear_caches()
-        hlo = _apply.lower(PARAMS, x, valid, policy=pol).as_text()
-        expert_dots = [ln for ln in hlo.splitlines() if "dot_general" in ln and "batching" in ln]
-        operands = [ln.split(": (")[1].split(") ->")[0] for ln in expert_dots]
-        assert len(operands) == 3 and all(("bf16" in o) == compiles for o in operands)
+        lowered = jax.jit(lambda p: _grad(p, x, valid, policy=pol)).lower(PARAMS).as_text()
+        dots = [ln for ln in lowered.splitlines() if "dot_general" in ln]
+        batched = [ln for ln in dots if "batching" in ln]
+        operands = [ln.split(": (")[1].split(") ->")[0] for ln in batched]
+        if per_expert_max >= n_exp:  # per expert: 3 forward, 3 weight-gradient, 1 input-gradient
+            expert_dots = [ln for ln in dots if "bf16" in ln.split(": (")[1].split(") ->")[0]]
+            assert not batched and len(expert_dots) >= 7 * n_exp
+        else:
+            assert len(operands) >= 3 and all(("bf16" in o) == compiles for o in operands[:3])
         grads, y, _ = _grad(PARAMS, x, valid, policy=pol)
         ys.append(np.asarray(y, np.float32))
         for name, want in g_ref.items():
             err = np.abs(np.asarray(grads[name]) - np.asarray(want)).max()
-            assert err <= 2e-2 * np.abs(np.asarray(want)).max(), (compiles, name, err)
+            assert err <= 2e-2 * np.abs(np.asarray(want)).max(), (per_expert_max, compiles, name)
     np.testing.assert_allclose(ys[0], ys[1], rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(ys[0], ys[2], rtol=1e-2, atol=1e-2)
+
+
+def test_per_expert_matmul_refuses_other_subscripts():
+    x = jnp.ones((2, 3, 4), jnp.bfloat16)
+    with pytest.raises(ValueError, match="is not EC<k>,E<k><n>->EC<n>"):
+        moe_module._expert_einsum(get_policy("bf16"), "ECD,EFD->ECF", x, x)
 
 
 @pytest.mark.parametrize(
