@@ -31,7 +31,8 @@ builds a step per size and times them in rounds in one process, each line then w
 expert matmuls (``moe._expert_einsum``: ``per-expert``, the default, runs bf16 expert matmuls on
 the CPU backend as one 2-D matmul per expert; ``batched`` as one batched einsum, i.e.
 ``moe.PER_EXPERT_MAX = 0``); with several forms or micro-batch sizes every pair is timed in
-rounds in one process, each MoE line with ``expert_matmul``.
+rounds in one process. Each MoE line has ``expert_matmul``, the form that ran (``batched``
+wherever ``moe.per_expert_matmuls`` does not hold, e.g. fp32).
 
 Usage: python benchmarks/update.py [--reps 5] [--iter-reps 3] [--only dense-DDDD,moe-SSSF]
        [--iteration moe-SSSF | all | none] [--policy fp32 | bf16] [--micro-batch N[,N...]]
@@ -192,8 +193,11 @@ def measure(kind: str, pattern: str, args) -> list[dict]:
             "compile_s": round(step.compile_s, 2),
             "loss_finite": bool(np.isfinite(float(met["loss"]))),
         })  # fmt: skip
-        if kind == "moe":
-            lines[-1]["expert_matmul"] = e
+        if kind == "moe":  # the form that ran: per-expert only where moe uses it (bf16 on CPU)
+            per_expert = e == "per-expert" and moe.per_expert_matmuls(
+                step.model.policy, step.model.cfg.n_experts
+            )
+            lines[-1]["expert_matmul"] = "per-expert" if per_expert else "batched"
         if len(steps) > 1:
             lines[-1]["ratio_vs_first"] = round(st.median_ms / timings[0].median_ms, 3)
             lines[-1]["interleaved_micro_batches"] = [m or BATCH for m in args.micro_batch]

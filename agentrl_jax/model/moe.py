@@ -17,8 +17,9 @@ Dispatch computes only routed (token, expert) pairs: the N*K pairs are ordered s
 token's first choice before any second choice, then token order), stably sorted by expert, and
 a pair's position inside its expert decides whether it fits the capacity
 ``C = cfg.capacity(tokens per shard)`` (``capacity_factor == 0``: dropless, ``C`` = tokens per
-shard). Kept pairs are gathered into ``[E, C, D]`` buffers, each expert runs one batched SwiGLU
-over its ``C`` rows, and the outputs are gathered back and summed with the gates. Dropped pairs
+shard). Kept pairs are gathered into ``[E, C, D]`` buffers, the experts run a SwiGLU over their
+``C`` rows (batched matmuls over E; on the CPU backend bf16 ones are one 2-D matmul per expert,
+``_expert_einsum``), and the outputs are gathered back and summed with the gates. Dropped pairs
 and padding rows (``valid == False``) contribute zero routed output and take no capacity.
 
 Under a mesh (the module's ``mesh`` attribute, or else the ambient one: ``jax.set_mesh`` /
@@ -91,21 +92,30 @@ def mixed_batched_dot_compiles(compute: str, accum: str) -> bool:
 PER_EXPERT_MAX = 16
 
 
+def per_expert_matmuls(policy: DTypePolicy, n_local_experts: int) -> bool:
+    """Whether ``_expert_einsum`` runs one 2-D matmul per expert (else one batched einsum): on
+    the CPU backend, a compute dtype narrower than the accumulation (bf16; not fp8) and at most
+    ``PER_EXPERT_MAX`` local experts."""
+    return (
+        jax.default_backend() == "cpu"
+        and jnp.dtype(policy.compute).itemsize < jnp.dtype(policy.accum).itemsize
+        and not policy.fp8_matmul
+        and n_local_experts <= PER_EXPERT_MAX
+    )
+
+
 def _expert_einsum(policy: DTypePolicy, subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """``policy.einsum`` for batched per-expert matmuls ``EC<k>,E<k><n>->EC<n>``.
 
-    On the CPU backend, with a compute dtype narrower than the accumulation (bf16) and at most
-    ``PER_EXPERT_MAX`` local experts, each expert's product is a 2-D matmul
+    Where :func:`per_expert_matmuls` holds, each expert's product is a 2-D matmul
     (``_per_expert_matmul``): XLA CPU runs the 2-D bf16 dots of the forward and of the
-    hand-written backward in its fast matmul library, the batched ones in a slower generic dot
-    (the bf16 MoE update step 0.78-0.85x as long; docs/results.md). Elsewhere one batched dot;
-    where the CPU backend rejects the mixed-dtype batched dot (``mixed_batched_dot_compiles``)
-    the inputs are rounded to the compute dtype first and multiplied in the accumulation dtype:
-    the same products, a dot every CPU build has, at about 0.4x the bf16 rate where both exist.
+    hand-written backward faster than the batched dots (the bf16 MoE update step 0.80-0.85x as
+    long; docs/results.md). Elsewhere one batched dot; where the CPU backend rejects the
+    mixed-dtype batched dot (``mixed_batched_dot_compiles``) the inputs are rounded to the
+    compute dtype first and multiplied in the accumulation dtype: the same products, a dot every
+    CPU build has, at about 0.4x the bf16 rate where both exist.
     """
-    cpu = jax.default_backend() == "cpu"
-    narrow = jnp.dtype(policy.compute).itemsize < jnp.dtype(policy.accum).itemsize
-    if cpu and narrow and not policy.fp8_matmul and w.shape[0] <= PER_EXPERT_MAX:
+    if per_expert_matmuls(policy, w.shape[0]):
         ins, out = subscripts.split("->")
         xs, ws = ins.split(",")
         if (xs[0], xs[1], xs[2], ws[2]) != (ws[0], out[1], ws[1], out[2]) or out[0] != xs[0]:
@@ -113,7 +123,7 @@ def _expert_einsum(policy: DTypePolicy, subscripts: str, x: jax.Array, w: jax.Ar
         x, w = x.astype(policy.compute), w.astype(policy.compute)
         return _per_expert_matmul(x, w, policy.accum, policy.compute)
     if (
-        not cpu
+        jax.default_backend() != "cpu"
         or policy.compute == policy.accum
         or mixed_batched_dot_compiles(policy.compute_dtype, policy.accum_dtype)
     ):
