@@ -13,9 +13,10 @@
 #       forward + backward + AdamW on the same shapes, ratio_vs_torch (goal <= 0.67);
 #     variant update/<model>/bf16: update.py --policy bf16 against update_baseline.py --dtype
 #       bf16 (PyTorch + transformers under CPU autocast, run with the peers' torch venv);
-#     both update rows use UPDATE_MICRO (default 2) sequences per gradient-accumulation
-#       micro-batch (update.py / update_baseline.py --micro-batch); PyTorch also runs the whole
-#       batch (the peers' script for fp32) and the ratio takes PyTorch's fastest line;
+#     both update rows use UPDATE_MICRO sequences per gradient-accumulation micro-batch
+#       (update.py / update_baseline.py --micro-batch; default 2 for the dense model, 4 for the
+#       MoE, the faster sizes in update.py --micro-batch 8,4,2, docs/results.md); PyTorch also
+#       runs the whole batch (the peers' script for fp32) and the ratio takes its fastest line;
 #     update lines also carry goal_ms (0.67 x PyTorch's step), matmul_floor_ms (the step's
 #       matmul FLOPs at the best rate matmul_peak.py measured, JAX or PyTorch, at the step's
 #       shapes: no step can be faster) and goal_over_floor (below 1: the goal cannot be met).
@@ -36,7 +37,8 @@ RAW=${2:-$(mktemp -t vs_peers.XXXXXX.jsonl)}
 TUNIX=$PEERS_DIR/tunix-venv/bin/python
 HF=$PEERS_DIR/hf-venv/bin/python
 TORCH_THREADS=${TORCH_THREADS:-1}
-MICRO=${UPDATE_MICRO:-2}
+MICRO_dense=${UPDATE_MICRO:-2}
+MICRO_moe=${UPDATE_MICRO:-4}
 MEASURE=1
 if [ "${3:-}" = --summarize ]; then
   MEASURE=0
@@ -84,6 +86,7 @@ for B in 8 32; do
 done
 for M in dense moe; do
   flag=(); [ "$M" = moe ] && flag=(--moe)
+  MICRO=MICRO_$M; MICRO=${!MICRO}
   echo ">> update $M" >&2
   # the generate part is short here; the line's fwd_bwd_adamw_ms is the train step
   torch_peer 1 "$HF" hf_generate_bench.py --batch 8 --prompt 64 --new 8 "${flag[@]}"
