@@ -28,11 +28,11 @@ builds a step per size and times them in rounds in one process, each line then w
 ``update_baseline.py --micro-batch`` is PyTorch's counterpart.
 
 ``--expert-matmul per-expert,batched`` (MoE variants) builds the step with each form of the
-expert matmuls (``moe._expert_einsum``: ``per-expert``, the default, runs bf16 expert matmuls on
-the CPU backend as one 2-D matmul per expert; ``batched`` as one batched einsum, i.e.
-``moe.PER_EXPERT_MAX = 0``); with several forms or micro-batch sizes every pair is timed in
-rounds in one process. Each MoE line has ``expert_matmul``, the form that ran (``batched``
-wherever ``moe.per_expert_matmuls`` does not hold, e.g. fp32).
+expert matmuls (``model.expert_matmul``: ``per-expert``, the default, runs bf16 expert matmuls
+on the CPU backend as one 2-D matmul per expert; ``batched`` as one batched einsum, i.e.
+``PER_EXPERT_MAX = 0``); with several forms or micro-batch sizes every pair is timed in rounds
+in one process. Each MoE line has ``expert_matmul``, the form that ran (``batched`` wherever
+``expert_matmul.per_expert_matmuls`` does not hold, e.g. fp32).
 
 Usage: python benchmarks/update.py [--reps 5] [--iter-reps 3] [--only dense-DDDD,moe-SSSF]
        [--iteration moe-SSSF | all | none] [--policy fp32 | bf16] [--micro-batch N[,N...]]
@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from common import NEW, PROMPT, bench_model, env_fields, time_interleaved, time_ms
 
-from agentrl_jax.model import moe
+from agentrl_jax.model import expert_matmul as expert_mm
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy, policy_names
@@ -133,7 +133,8 @@ class Step:
         return m
 
 
-EXPERT_MATMULS = {"per-expert": moe.PER_EXPERT_MAX, "batched": 0}  # -> moe.PER_EXPERT_MAX
+# form -> expert_matmul.PER_EXPERT_MAX while the step is traced
+EXPERT_MATMULS = {"per-expert": expert_mm.PER_EXPERT_MAX, "batched": 0}
 
 
 def build_step(
@@ -155,11 +156,12 @@ def build_step(
     state = init_train_state(jax.tree.map(jnp.copy, params), rl_cfg, jax.random.key(1))
     key = jax.random.key(2)
     t0 = time.perf_counter()
-    default, moe.PER_EXPERT_MAX = moe.PER_EXPERT_MAX, EXPERT_MATMULS[expert_matmul]
+    default = expert_mm.PER_EXPERT_MAX
+    expert_mm.PER_EXPERT_MAX = EXPERT_MATMULS[expert_matmul]
     try:  # read when the step is traced
         compiled = make_update_fn(model, rl_cfg).lower(state, batch, key).compile()
     finally:
-        moe.PER_EXPERT_MAX = default
+        expert_mm.PER_EXPERT_MAX = default
     return Step(model, params, batch, compiled, time.perf_counter() - t0, state, key)
 
 
@@ -194,7 +196,7 @@ def measure(kind: str, pattern: str, args) -> list[dict]:
             "loss_finite": bool(np.isfinite(float(met["loss"]))),
         })  # fmt: skip
         if kind == "moe":  # the form that ran: per-expert only where moe uses it (bf16 on CPU)
-            per_expert = e == "per-expert" and moe.per_expert_matmuls(
+            per_expert = e == "per-expert" and expert_mm.per_expert_matmuls(
                 step.model.policy, step.model.cfg.n_experts
             )
             lines[-1]["expert_matmul"] = "per-expert" if per_expert else "batched"

@@ -19,7 +19,7 @@ a pair's position inside its expert decides whether it fits the capacity
 ``C = cfg.capacity(tokens per shard)`` (``capacity_factor == 0``: dropless, ``C`` = tokens per
 shard). Kept pairs are gathered into ``[E, C, D]`` buffers, the experts run a SwiGLU over their
 ``C`` rows (batched matmuls over E; on the CPU backend bf16 ones are one 2-D matmul per expert,
-``_expert_einsum``), and the outputs are gathered back and summed with the gates. Dropped pairs
+``expert_matmul``), and the outputs are gathered back and summed with the gates. Dropped pairs
 and padding rows (``valid == False``) contribute zero routed output and take no capacity.
 
 Under a mesh (the module's ``mesh`` attribute, or else the ambient one: ``jax.set_mesh`` /
@@ -46,6 +46,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
+from agentrl_jax.model import expert_matmul
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.experts import (  # noqa: F401 - route and the references re-exported
     PROB_MIN,
@@ -65,101 +66,6 @@ CAPACITY_ROUND = 4
 
 def _init(std: float, names: tuple):
     return nn.with_logical_partitioning(nn.initializers.normal(stddev=std), names)
-
-
-@functools.cache
-def mixed_batched_dot_compiles(compute: str, accum: str) -> bool:
-    """Whether this backend compiles a batched ``compute x compute -> accum`` dot.
-
-    Some XLA:CPU builds reject bf16 x bf16 -> f32 batched dots ("Unsupported element type for
-    DotThunk"; seen in this project, not on jax 0.10.2): a tiny one is compiled once to find out.
-    """
-    x = jax.ShapeDtypeStruct((2, 4, 8), jnp.dtype(compute))
-    w = jax.ShapeDtypeStruct((2, 8, 4), jnp.dtype(compute))
-
-    def dot(x, w):
-        return jnp.einsum("ECD,EDF->ECF", x, w, preferred_element_type=jnp.dtype(accum))
-
-    try:
-        jax.jit(dot).lower(x, w).compile()
-    except (jax.errors.JaxRuntimeError, ValueError, TypeError, NotImplementedError):
-        return False
-    return True
-
-
-# On the CPU backend, up to this many local experts run their narrow-dtype (bf16) matmuls as one
-# 2-D matmul per expert, forward and backward (``_per_expert_matmul``); more go batched.
-PER_EXPERT_MAX = 16
-
-
-def per_expert_matmuls(policy: DTypePolicy, n_local_experts: int) -> bool:
-    """Whether ``_expert_einsum`` runs one 2-D matmul per expert (else one batched einsum): on
-    the CPU backend, a compute dtype narrower than the accumulation (bf16; not fp8) and at most
-    ``PER_EXPERT_MAX`` local experts."""
-    return (
-        jax.default_backend() == "cpu"
-        and jnp.dtype(policy.compute).itemsize < jnp.dtype(policy.accum).itemsize
-        and not policy.fp8_matmul
-        and n_local_experts <= PER_EXPERT_MAX
-    )
-
-
-def _expert_einsum(policy: DTypePolicy, subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """``policy.einsum`` for batched per-expert matmuls ``EC<k>,E<k><n>->EC<n>``.
-
-    Where :func:`per_expert_matmuls` holds, each expert's product is a 2-D matmul
-    (``_per_expert_matmul``): XLA CPU runs the 2-D bf16 dots of the forward and of the
-    hand-written backward faster than the batched dots (the bf16 MoE update step 0.80-0.85x as
-    long; docs/results.md). Elsewhere one batched dot; where the CPU backend rejects the
-    mixed-dtype batched dot (``mixed_batched_dot_compiles``) the inputs are rounded to the
-    compute dtype first and multiplied in the accumulation dtype: the same products, a dot every
-    CPU build has, at about 0.4x the bf16 rate where both exist.
-    """
-    if per_expert_matmuls(policy, w.shape[0]):
-        ins, out = subscripts.split("->")
-        xs, ws = ins.split(",")
-        if (xs[0], xs[1], xs[2], ws[2]) != (ws[0], out[1], ws[1], out[2]) or out[0] != xs[0]:
-            raise ValueError(f"expert matmul {subscripts!r} is not EC<k>,E<k><n>->EC<n>")
-        x, w = x.astype(policy.compute), w.astype(policy.compute)
-        return _per_expert_matmul(x, w, policy.accum, policy.compute)
-    if (
-        jax.default_backend() != "cpu"
-        or policy.compute == policy.accum
-        or mixed_batched_dot_compiles(policy.compute_dtype, policy.accum_dtype)
-    ):
-        return policy.einsum(subscripts, x, w)
-    if not policy.fp8_matmul:  # fp8 quantises from the original values; rounding first would differ
-        x, w = x.astype(policy.compute), w.astype(policy.compute)
-    wide = policy.replace(compute_dtype=policy.accum_dtype)
-    return wide.einsum(subscripts, x, w).astype(policy.compute)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _per_expert_matmul(x, w, accum, out):
-    """x [E, C, K] @ w [E, K, N] -> [E, C, N] in ``out``, accumulated in ``accum``, as E 2-D
-    matmuls; the backward reads the cotangent in x's dtype and is E 2-D matmuls per operand
-    (the weight gradients in ``precision._matmul``'s fast form, a leading unit batch axis).
-    The same products and sums as the batched einsum; only the summation order may differ."""
-    return _per_expert_fwd(x, w, accum, out)[0]
-
-
-def _per_expert_fwd(x, w, accum, out):
-    ys = [jnp.einsum("ck,kn->cn", x[e], w[e], preferred_element_type=accum) for e in range(len(w))]
-    return jnp.stack(ys).astype(out), (x, w)
-
-
-def _per_expert_bwd(accum, out, res, g):
-    x, w = res
-    g = g.astype(x.dtype)
-    dx = [jnp.einsum("cn,kn->ck", g[e], w[e], preferred_element_type=accum) for e in range(len(w))]
-    dw = [
-        jnp.einsum("uck,ucn->kn", x[e][None], g[e][None], preferred_element_type=accum)
-        for e in range(len(w))
-    ]
-    return jnp.stack(dx).astype(x.dtype), jnp.stack(dw).astype(w.dtype)
-
-
-_per_expert_matmul.defvjp(_per_expert_fwd, _per_expert_bwd)
 
 
 class MLP(nn.Module):
@@ -231,13 +137,13 @@ def _expert_ffn(buf, w_gate, w_up, w_down, policy, tensor_axis, cfg, biases=()):
     ``biases``: () or ``(b_gate [E, F], b_up [E, F], b_down [E, D])`` (b_down added once,
     after the psum).
     """
-    g = _expert_einsum(policy, "ECD,EDF->ECF", buf, w_gate)
-    u = _expert_einsum(policy, "ECD,EDF->ECF", buf, w_up)
+    g = expert_matmul.expert_einsum(policy, "ECD,EDF->ECF", buf, w_gate)
+    u = expert_matmul.expert_einsum(policy, "ECD,EDF->ECF", buf, w_up)
     if biases:
         g = g + biases[0][:, None, :].astype(g.dtype)
         u = u + biases[1][:, None, :].astype(u.dtype)
     h = expert_activation(g, u, cfg)
-    out = _expert_einsum(policy, "ECF,EFD->ECD", h, w_down)
+    out = expert_matmul.expert_einsum(policy, "ECF,EFD->ECD", h, w_down)
     if tensor_axis is not None:
         out = jax.lax.psum(out.astype(policy.accum), tensor_axis).astype(policy.compute)
     if biases:

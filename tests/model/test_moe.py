@@ -13,6 +13,7 @@ import pytest
 from flax import linen as nn
 
 from agentrl_jax import sharding
+from agentrl_jax.model import expert_matmul
 from agentrl_jax.model import moe as moe_module
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.moe import (
@@ -298,8 +299,8 @@ def test_bf16_expert_matmuls_per_expert_native_and_rounded_agree(monkeypatch):
     n_exp = CFG.n_experts
     ys = []
     for per_expert_max, compiles in ((n_exp, True), (n_exp - 1, True), (n_exp - 1, False)):
-        monkeypatch.setattr(moe_module, "PER_EXPERT_MAX", per_expert_max)
-        monkeypatch.setattr(moe_module, "mixed_batched_dot_compiles", lambda *a, c=compiles: c)
+        monkeypatch.setattr(expert_matmul, "PER_EXPERT_MAX", per_expert_max)
+        monkeypatch.setattr(expert_matmul, "mixed_batched_dot_compiles", lambda *a, c=compiles: c)
         jax.clear_caches()
         lowered = jax.jit(lambda p: _grad(p, x, valid, policy=pol)).lower(PARAMS).as_text()
         dots = [ln for ln in lowered.splitlines() if "dot_general" in ln]
@@ -322,7 +323,7 @@ def test_bf16_expert_matmuls_per_expert_native_and_rounded_agree(monkeypatch):
 def test_per_expert_matmul_refuses_other_subscripts():
     x = jnp.ones((2, 3, 4), jnp.bfloat16)
     with pytest.raises(ValueError, match="is not EC<k>,E<k><n>->EC<n>"):
-        moe_module._expert_einsum(get_policy("bf16"), "ECD,EFD->ECF", x, x)
+        expert_matmul.expert_einsum(get_policy("bf16"), "ECD,EFD->ECF", x, x)
 
 
 @pytest.mark.parametrize(
