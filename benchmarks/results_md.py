@@ -121,7 +121,7 @@ COLUMNS: dict[str, str] = {
         "ratio_vs_best_peer=vs best peer; step_ms=step ms; micro_batch=micro-batch; "
         "torch_step_ms=PyTorch step ms; torch_threads=PyTorch threads; "
         "torch_micro_batch=PyTorch micro-batch; ratio_vs_torch=vs PyTorch; goal_ratio=goal; "
-        "goal_ms=goal ms; matmul_floor_ms=matmul floor ms; goal_over_floor=goal / floor"
+        "goal_ms=goal ms; matmul_floor_ms=matmul floor ms; goal_over_floor=goal / floor; rounds"
     ),
     "matmul_peak": (
         "framework; dtype; shape=M x K x N; gflops=GFLOP/s (best); gflops_median=median; "
