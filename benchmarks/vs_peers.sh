@@ -52,7 +52,8 @@ if [ "${3:-}" = --summarize ]; then
 elif [ -n "${3:-}" ]; then
   echo "vs_peers.sh: unknown argument ${3}; allowed: --summarize" >&2; exit 2
 fi
-for f in "$TUNIX" "$HF" "$PY"; do
+needs=("$PY"); [ "$MEASURE" = 1 ] && needs+=("$TUNIX" "$HF")  # --summarize: the project's only
+for f in "${needs[@]}"; do
   [ -x "$f" ] || { echo "vs_peers.sh: $f missing (see the peers' README)" >&2; exit 2; }
 done
 echo "vs_peers.sh: raw lines -> $RAW" >&2
