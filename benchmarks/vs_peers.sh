@@ -32,7 +32,8 @@
 #   op and its rows collapse (docs/results.md), on an idle one two threads can win. Peer lines
 #   carry torch_threads. RAW.jsonl should hold one run: the ratios take the best line of each
 #   system and of the project per shape in it.
-# Takes 7-15 minutes on 2 cores (7 on an idle one); run it on an otherwise idle machine.
+# Takes 7-15 minutes per round on 2 cores (7 on an idle one; ROUNDS=2: 18-20 minutes); run it
+# on an otherwise idle machine.
 set -euo pipefail
 PEERS_DIR=$(cd "${1:?usage: vs_peers.sh PEERS_DIR [RAW.jsonl]}" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
