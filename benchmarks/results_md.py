@@ -167,7 +167,7 @@ COLUMNS: dict[str, str] = {
         "variant; step_ms=step ms; attention_fwd_ms=attention fwd; attention_bwd_ms=attention bwd; "
         "ffn_fwd_ms=FFN fwd; ffn_bwd_ms=FFN bwd; lm_head_fwd_ms=LM head fwd; "
         "lm_head_bwd_ms=LM head bwd; other_fwd_ms=other fwd; other_bwd_ms=other bwd; "
-        "ops_over_wall=ops / wall"
+        "ops_over_wall=ops / wall; eigen_threads=Eigen threads"
     ),
     "rollout_baseline": (
         "variant; threads; tokens_per_s=tok/s; decode_tokens_per_s=decode tok/s; "

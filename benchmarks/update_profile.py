@@ -9,17 +9,20 @@ left out (its events enclose the ops inside).
 
 Keys: step_ms (median wall time of a call), ``<part>_<pass>_ms`` (op time per call),
 ops_over_wall (summed op time over the wall time: XLA's CPU runtime runs independent ops at
-once, so parts add up to the op time, not the wall time), plus load_avg_1m and the environment
-fields.
+once, so parts add up to the op time, not the wall time), eigen_threads ('pool', or 'one' when
+``XLA_FLAGS`` holds ``--xla_cpu_multi_thread_eigen=false``: then the ops run one at a time, the
+parts add up to the step and show where a single core spends it), plus load_avg_1m and the
+environment fields.
 
-Usage: python benchmarks/update_profile.py [--variants dense-DDDD,moe-DDDD] [--policy fp32]
-       [--reps 3] [--micro-batch N]
+Usage: [XLA_FLAGS=--xla_cpu_multi_thread_eigen=false] python benchmarks/update_profile.py
+       [--variants dense-DDDD,moe-DDDD] [--policy fp32] [--reps 3] [--micro-batch N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 
 import numpy as np
@@ -38,6 +41,14 @@ def op_passes(hlo_text: str) -> dict[str, tuple[str, str]]:
         name: (part_of(op), "bwd" if "transpose(" in op else "fwd")
         for name, op in named_ops(hlo_text)
     }
+
+
+def eigen_threads(xla_flags: str | None = None) -> str:
+    """'one' when ``XLA_FLAGS`` (or ``xla_flags``) turns XLA CPU's multi-threaded Eigen off (the
+    last setting of the flag wins, as in XLA's parser), else 'pool'."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    found = re.findall(r"--xla_cpu_multi_thread_eigen=(\w+)", flags)
+    return "one" if found and found[-1].lower() in ("false", "0") else "pool"
 
 
 def profile_line(
@@ -62,6 +73,7 @@ def profile_line(
         step_ms=step_ms,
         **{f"{p}_{s}_ms": ms[(p, s)] for p in PARTS for s in PASSES},
         ops_over_wall=sum(ms.values()) / step_ms,
+        eigen_threads=eigen_threads(),
         load_avg_1m=load_avg(),
     )
     line.update(env_fields())

@@ -29,6 +29,14 @@ def test_ops_are_attributed_by_scope_and_pass():
     }
 
 
+def test_eigen_threads_reads_the_last_setting_of_the_flag():
+    assert update_profile.eigen_threads("") == "pool"
+    assert update_profile.eigen_threads("--xla_cpu_multi_thread_eigen=false") == "one"
+    flags = "--xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=8"
+    assert update_profile.eigen_threads(flags) == "one"
+    assert update_profile.eigen_threads(flags + " --xla_cpu_multi_thread_eigen=true") == "pool"
+
+
 @pytest.mark.slow  # compiles and traces the benchmark update (about 20 s)
 def test_profile_line_of_the_dense_update():
     line = update_profile.profile_line("dense", "DDDD", reps=1)
