@@ -10,9 +10,9 @@ left out (its events enclose the ops inside).
 Keys: step_ms (median wall time of a call), ``<part>_<pass>_ms`` (op time per call),
 ops_over_wall (summed op time over the wall time: XLA's CPU runtime runs independent ops at
 once, so parts add up to the op time, not the wall time), eigen_threads ('pool', or 'one' when
-``XLA_FLAGS`` holds ``--xla_cpu_multi_thread_eigen=false``: then the ops run one at a time, the
-parts add up to the step and show where a single core spends it), plus load_avg_1m and the
-environment fields.
+``XLA_FLAGS`` holds ``--xla_cpu_multi_thread_eigen=false``: each op then runs on one thread, so
+its time is one core's, but independent ops still run at once: ops / wall stays above 1), plus
+load_avg_1m and the environment fields.
 
 Usage: [XLA_FLAGS=--xla_cpu_multi_thread_eigen=false] python benchmarks/update_profile.py
        [--variants dense-DDDD,moe-DDDD] [--policy fp32] [--reps 3] [--micro-batch N]
