@@ -45,7 +45,9 @@ TORCH_THREADS=${TORCH_THREADS:-1}
 ROUNDS=${ROUNDS:-1}
 MICRO_dense=${UPDATE_MICRO:-2}
 MICRO_moe=${UPDATE_MICRO:-4}
-case $ROUNDS in ''|*[!0-9]*|0) echo "vs_peers.sh: ROUNDS=$ROUNDS must be a positive integer" >&2; exit 2;; esac
+if ! [[ $ROUNDS =~ ^[0-9]+$ ]] || ((10#$ROUNDS == 0)); then
+  echo "vs_peers.sh: ROUNDS=$ROUNDS must be a positive integer" >&2; exit 2
+fi
 MEASURE=1
 if [ "${3:-}" = --summarize ]; then
   MEASURE=0

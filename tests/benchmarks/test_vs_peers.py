@@ -63,8 +63,9 @@ def test_rounds_compare_every_sides_fastest_line(tmp_path):
 
 
 def test_bad_rounds_and_missing_raw_lines_are_refused(tmp_path):
-    done, _ = _summarize(tmp_path, [_rollout(1.0)], ROUNDS="0")
-    assert done.returncode == 2 and "ROUNDS=0 must be a positive integer" in done.stderr
+    for bad in ("0", "00", "2x", "-1"):
+        done, _ = _summarize(tmp_path, [_rollout(1.0)], ROUNDS=bad)
+        assert done.returncode == 2 and f"ROUNDS={bad} must be a positive integer" in done.stderr
     done = subprocess.run(
         ["bash", str(SCRIPT), str(tmp_path), str(tmp_path / "none.jsonl"), "--summarize"],
         capture_output=True, text=True, env={**os.environ, "PY": sys.executable},
