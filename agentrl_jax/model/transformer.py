@@ -169,6 +169,7 @@ class Transformer(nn.Module):
         valid: jax.Array | None = None,
         replay_routes: jax.Array | None = None,
         replay_blocks: jax.Array | None = None,
+        logits_rows: jax.Array | None = None,
     ) -> tuple[jax.Array, dict | None, dict]:
         """Forward pass.
 
@@ -180,6 +181,10 @@ class Transformer(nn.Module):
           replay_routes: int32 [B, T, L_moe, k] expert indices to force (routing replay).
           replay_blocks: int32 [B, T, L_F, K, n] key blocks each F layer (in depth order)
             attends to, per query token and kv head (-1 unused): block-selection replay.
+          logits_rows: optional int32 [B]: the LM head runs on that row of each sequence only
+            (a prefill needs the last new token's logits; the other rows' vocabulary matmul is
+            skipped) and logits are [B, 1, V]. The same row values; the matmul's row count
+            differs, so XLA may pick another kernel and the last bits can differ.
 
         Returns:
           (logits float32 [B, T, V], new cache or None, extras) where extras holds ``routes``
@@ -259,7 +264,12 @@ class Transformer(nn.Module):
         if in_carry:
             new_layers = carried
         x = RMSNorm(cfg, pol, name="final_norm")(x)
-        logits = embedder.decode(x)
+        if logits_rows is None:
+            logits = embedder.decode(x)
+        else:
+            if logits_rows.shape != (b,):
+                raise ValueError(f"logits_rows.shape={logits_rows.shape}, expected ({b},)")
+            logits = embedder.decode(jnp.take_along_axis(x, logits_rows[:, None, None], axis=1))
 
         extras = {k: jnp.sum(v) for k, v in aux.items()}
         if cfg.value_head:

@@ -73,6 +73,10 @@ from agentrl_jax.rollout.rollout_config import RolloutConfig  # noqa: F401 - re-
 # The kernel decode unrolls the layer groups of models with at most this many (compile time
 # grows with them).
 UNSTACK_GROUPS = 16
+# Non-parity prefill: the LM head on each sequence's last new row only (``logits_rows``), not
+# on every row of the chunk. Parity policies keep every row: the trainer's chunks run the head
+# on as many rows, so both pick the same matmul kernel.
+LAST_ROW_LOGITS = True
 
 
 class DecodeState(NamedTuple):
@@ -336,12 +340,21 @@ class Sampler:
             idx = off[:, None] + jnp.arange(cp)  # [B, Cp]
             val = (jnp.arange(cp)[None, :] < cnt[:, None]) & (idx < n_new[:, None])
             tok = jnp.take_along_axis(pad, jnp.minimum(idx, tp + cp - 1), axis=1)
-            logits, cache, extras = self.model.apply(
-                params, tok, cache=_with_keep(cache, state), valid=val
-            )
             n_val = jnp.sum(val, axis=1)
             row = jnp.maximum(n_val - 1, 0)
-            lg = jnp.take_along_axis(logits, row[:, None, None], axis=1)[:, 0]
+            last_only = LAST_ROW_LOGITS and not self.model.policy.parity
+            logits, cache, extras = self.model.apply(
+                params,
+                tok,
+                cache=_with_keep(cache, state),
+                valid=val,
+                logits_rows=row if last_only else None,
+            )
+            lg = (
+                logits[:, 0]
+                if last_only
+                else jnp.take_along_axis(logits, row[:, None, None], 1)[:, 0]
+            )
             last = jnp.where((n_val > 0)[:, None], lg, last)
             bi = jnp.broadcast_to(jnp.arange(b)[:, None], (b, cp))
             if routes is not None:

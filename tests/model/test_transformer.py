@@ -294,3 +294,18 @@ def test_unstacked_groups_equal_the_depth_scan(moe):
     close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # noqa: E731
     jax.tree.map(close, got[:3], want[:3])
     jax.tree.map(np.testing.assert_array_equal, got[3:], want[3:])
+
+
+def test_logits_rows_runs_the_head_on_one_row_per_sequence():
+    cfg, model, params = make(moe=True)
+    toks = tokens_for(cfg, 3, 12)
+    full, _, full_extras = jax.jit(model.apply)(params, toks)
+    rows = jnp.array([11, 0, 5], jnp.int32)
+    apply_rows = jax.jit(functools.partial(model.apply, logits_rows=rows))
+    got, _, extras = apply_rows(params, toks)
+    assert got.shape == (3, 1, cfg.vocab_size)
+    want = np.asarray(full)[np.arange(3), np.asarray(rows)]
+    np.testing.assert_allclose(np.asarray(got[:, 0]), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(extras["routes"]), np.asarray(full_extras["routes"]))
+    with pytest.raises(ValueError, match=r"logits_rows.shape=\(3, 1\), expected \(3,\)"):
+        model.apply(params, toks, logits_rows=rows[:, None])
