@@ -121,10 +121,12 @@ COLUMNS: dict[str, str] = {
         "ratio_vs_best_peer=vs best peer; step_ms=step ms; micro_batch=micro-batch; "
         "torch_step_ms=PyTorch step ms; torch_threads=PyTorch threads; "
         "torch_micro_batch=PyTorch micro-batch; ratio_vs_torch=vs PyTorch; goal_ratio=goal; "
-        "goal_ms=goal ms; matmul_floor_ms=matmul floor ms; goal_over_floor=goal / floor; rounds"
+        "goal_ms=goal ms; matmul_floor_ms=matmul floor ms; goal_over_floor=goal / floor; "
+        "chain_ms=matmul chain ms; chain_source=chain from; goal_over_chain=goal / chain; rounds"
     ),
     "matmul_peak": (
-        "framework; dtype; shape=M x K x N; gflops=GFLOP/s (best); gflops_median=median; "
+        "framework; dtype; shape=M x K x N; chain_gflop=chain GFLOP; gflops=GFLOP/s (best); "
+        "gflops_median=median; ms=ms (best); "
         "update_matmul_floor_ms_dense=update floor ms, dense; "
         "update_matmul_floor_ms_moe=update floor ms, MoE; threads"
     ),

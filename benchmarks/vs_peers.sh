@@ -19,7 +19,10 @@
 #       runs the whole batch (the peers' script for fp32) and the ratio takes its fastest line;
 #     update lines also carry goal_ms (0.67 x PyTorch's step), matmul_floor_ms (the step's
 #       matmul FLOPs at the best rate matmul_peak.py measured, JAX or PyTorch, at the step's
-#       shapes: no step can be faster) and goal_over_floor (below 1: the goal cannot be met).
+#       shapes: no step can be faster) and goal_over_floor (below 1: the goal cannot be met);
+#       dense lines also chain_ms, the fastest matmul_peak.py chain line (the step's weight
+#       matmuls alone, JAX or PyTorch, at 1536 or 384 rows), chain_source and goal_over_chain
+#       (at most 1: the goal leaves nothing for the rest of the step).
 #   Each shape runs its peers and the project back to back (Tunix, HF, project) so drift in
 #   the machine's load hits every row of a shape alike; the lines carry the load anyway.
 #   ROUNDS (default 1) repeats that sequence per shape; every system's (and the project's)
@@ -195,5 +198,13 @@ for m in ("dense", "moe"):
             if floors:
                 line["matmul_floor_ms"] = min(floors)
                 line["goal_over_floor"] = round(line["goal_ms"] / min(floors), 3)
+            # the dense step's weight matmuls alone, as either framework runs them (best call)
+            chains = [r for r in rows if r.get("bench") == "matmul_peak"
+                      and r.get("dtype") == policy and "chain_rows" in r and m == "dense"]
+            if chains:
+                best = min(chains, key=lambda r: r["ms"])
+                line["chain_ms"] = best["ms"]
+                line["chain_source"] = f"{best['framework']}/m{best['chain_rows']}"
+                line["goal_over_chain"] = round(line["goal_ms"] / best["ms"], 3)
             print(json.dumps({**line, **env}))
 EOF

@@ -71,3 +71,24 @@ def test_bad_rounds_and_missing_raw_lines_are_refused(tmp_path):
         capture_output=True, text=True, env={**os.environ, "PY": sys.executable},
     )  # fmt: skip
     assert done.returncode == 2 and "--summarize needs the raw lines" in done.stderr
+
+
+def _chain(framework, rows, ms, dtype="fp32"):
+    return dict(bench="matmul_peak", framework=framework, dtype=dtype, chain_rows=rows, ms=ms,
+                load_avg_1m=1.0, vs_peers_role="project")  # fmt: skip
+
+
+def test_dense_update_lines_carry_the_fastest_matmul_chain(tmp_path):
+    moe = [dict(_update("fp32", 400.0), model="moe"), dict(_torch("fp32", 330.0), model="moe")]
+    rows = [
+        _torch("fp32", 270.0), _update("fp32", 260.0), *moe,
+        _chain("jax", 1536, 184.0), _chain("jax", 384, 201.0), _chain("torch", 1536, 175.0),
+        _chain("torch", 384, 90.0, dtype="bf16"),
+    ]  # fmt: skip
+    done, lines = _summarize(tmp_path, rows)
+    assert done.returncode == 0, done.stderr
+    by = {line["variant"]: line for line in lines}
+    dense = by["update/dense/fp32"]
+    assert dense["chain_ms"] == 175.0 and dense["chain_source"] == "torch/m1536"
+    assert dense["goal_over_chain"] == pytest.approx(0.67 * 270 / 175, abs=1e-3)
+    assert "chain_ms" not in by["update/moe/fp32"]  # the chain has the dense model's shapes
