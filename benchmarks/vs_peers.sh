@@ -64,7 +64,7 @@ for f in "${needs[@]}"; do
 done
 echo "vs_peers.sh: raw lines -> $RAW" >&2
 
-stamp() {  # last JSON line of stdin, with the load average and the row's role added
+stamp() {  # last N (default 1; 0: every) JSON lines of stdin, with the load and the row's role
   "$PY" -c '
 import json, os, sys
 lines = [l for l in sys.stdin.read().splitlines() if l.strip().startswith("{")]
@@ -75,7 +75,7 @@ for line in lines[-int(sys.argv[2]):]:
 ' "$1" "${2:-1}"
 }
 peer() { (cd "$PEERS_DIR" && "$@" 2>>"$RAW.stderr") | stamp peer >>"$RAW"; }
-torch_peer() {  # torch_peer N_LINES CMD...: CMD at each thread count of TORCH_THREADS
+torch_peer() {  # torch_peer N_LINES CMD...: CMD at each thread count of TORCH_THREADS (0: all)
   local n=$1 t
   shift
   for t in ${TORCH_THREADS//,/ }; do
@@ -123,9 +123,9 @@ for M in dense moe; do
   done
 done
 echo ">> matmul peak (the floor under any update step)" >&2
-torch_peer 8 sh -c 'exec "$0" "$@" --threads "$OMP_NUM_THREADS"' "$HF" \
+torch_peer 0 sh -c 'exec "$0" "$@" --threads "$OMP_NUM_THREADS"' "$HF" \
   "$ROOT/benchmarks/matmul_peak.py" --framework torch
-(cd "$ROOT/benchmarks" && "$PY" matmul_peak.py 2>>"$RAW.stderr") | stamp project 8 >>"$RAW"
+(cd "$ROOT/benchmarks" && "$PY" matmul_peak.py 2>>"$RAW.stderr") | stamp project 0 >>"$RAW"
 }
 [ "$MEASURE" = 1 ] && measure
 
