@@ -308,4 +308,4 @@ def test_logits_rows_runs_the_head_on_one_row_per_sequence():
     np.testing.assert_allclose(np.asarray(got[:, 0]), want, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(extras["routes"]), np.asarray(full_extras["routes"]))
     with pytest.raises(ValueError, match=r"logits_rows.shape=\(3, 1\), expected \(3,\)"):
-        model.apply(params, toks, logits_rows=rows[:, None])
+        jax.eval_shape(functools.partial(model.apply, logits_rows=rows[:, None]), params, toks)
