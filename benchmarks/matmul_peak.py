@@ -40,6 +40,7 @@ ROWS = 8 * (PROMPT + NEW)  # update.py's batch 8 x 192 tokens
 SHAPES = ((ROWS, 256, 768), (ROWS, 768, 256), (ROWS, 256, 1024), (2048, 2048, 2048))
 UPDATE_SHAPES = SHAPES[:3]
 CHAIN_ROWS = (ROWS, ROWS // 4)  # the whole batch; update.py's micro-batches of 2 sequences
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # attribute names in jax.numpy and torch
 
 
 def chain_shapes() -> list[tuple[int, int]]:
@@ -74,7 +75,7 @@ def _jax_chain(dtype: str, rows: int):
     import jax.numpy as jnp
     import numpy as np
 
-    dt = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+    dt = getattr(jnp, DTYPES[dtype])
     ws, xs, gs = _operands(np.random.default_rng(0), lambda a: jnp.asarray(a, dt), rows)
 
     @jax.jit
@@ -99,7 +100,7 @@ def _torch_chain(dtype: str, rows: int):
     import numpy as np
     import torch
 
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    dt = getattr(torch, DTYPES[dtype])
     ws, xs, gs = _operands(np.random.default_rng(0), lambda a: torch.from_numpy(a).to(dt), rows)
 
     def chain():  # eager CPU ops return when done
@@ -111,6 +112,20 @@ def _torch_chain(dtype: str, rows: int):
                 dw += (x[u].T @ g[u]).float()
 
     return chain
+
+
+def _line(framework: str, dtype: str, name: str, shape: str, flops: int, times) -> dict:
+    """The fields every line has: rates of the best and the median call, the best call's ms."""
+    return {
+        "bench": "matmul_peak",
+        "variant": f"{framework}/{dtype}/{name}",
+        "framework": framework,
+        "dtype": dtype,
+        "shape": shape,
+        "gflops": round(flops / min(times) / 1e9, 1),
+        "gflops_median": round(flops / statistics.median(times) / 1e9, 1),
+        "ms": round(1e3 * min(times), 3),
+    }
 
 
 def _best_of(call, reps: int) -> list[float]:
@@ -128,7 +143,7 @@ def _jax_matmul(dtype: str, m: int, k: int, n: int):
     import jax.numpy as jnp
     import numpy as np
 
-    dt = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+    dt = getattr(jnp, DTYPES[dtype])
     rng = np.random.default_rng(0)
     a = jnp.asarray(rng.normal(size=(m, k)), dt)
     b = jnp.asarray(rng.normal(size=(k, n)), dt)
@@ -139,7 +154,7 @@ def _jax_matmul(dtype: str, m: int, k: int, n: int):
 def _torch_matmul(dtype: str, m: int, k: int, n: int):
     import torch
 
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    dt = getattr(torch, DTYPES[dtype])
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=gen).to(dt)
     b = torch.randn(k, n, generator=gen).to(dt)
@@ -155,7 +170,7 @@ def main(argv=None) -> None:
     ap.add_argument("--chain-reps", type=int, default=10, help="0: no chain lines")
     args = ap.parse_args(argv)
     dtypes = [x for x in args.dtypes.split(",") if x]
-    bad = sorted(set(dtypes) - {"fp32", "bf16"})
+    bad = sorted(set(dtypes) - set(DTYPES))
     if bad or args.reps < 1 or args.chain_reps < 0:
         ap.error(
             f"--dtypes {bad} unknown (allowed: fp32, bf16)"
@@ -173,17 +188,8 @@ def main(argv=None) -> None:
     for dtype in dtypes:
         for m, k, n in SHAPES:
             times = _best_of(make(dtype, m, k, n), args.reps)
-            flops = 2 * m * k * n
-            line = {
-                "bench": "matmul_peak",
-                "variant": f"{args.framework}/{dtype}/{m}x{k}x{n}",
-                "framework": args.framework,
-                "dtype": dtype,
-                "shape": f"{m}x{k}x{n}",
-                "gflops": round(flops / min(times) / 1e9, 1),
-                "gflops_median": round(flops / statistics.median(times) / 1e9, 1),
-                "ms": round(1e3 * min(times), 3),
-            }
+            flops, shape = 2 * m * k * n, f"{m}x{k}x{n}"
+            line = _line(args.framework, dtype, shape, shape, flops, times)
             if (m, k, n) in UPDATE_SHAPES:
                 for kind in ("dense", "moe"):
                     floor = update_matmul_flops(kind) / (flops / min(times))
@@ -192,20 +198,10 @@ def main(argv=None) -> None:
             print(json.dumps({**line, **env}), flush=True)
         for rows in CHAIN_ROWS if args.chain_reps else ():
             times = _best_of(make_chain(dtype, rows), args.chain_reps)
-            flops = chain_flops()
-            line = {
-                "bench": "matmul_peak",
-                "variant": f"{args.framework}/{dtype}/chain-dense-m{rows}",
-                "framework": args.framework,
-                "dtype": dtype,
-                "shape": f"chain dense {ROWS // rows} x {rows} rows",
-                "chain_rows": rows,
-                "chain_gflop": round(flops / 1e9, 2),
-                "gflops": round(flops / min(times) / 1e9, 1),
-                "gflops_median": round(flops / statistics.median(times) / 1e9, 1),
-                "ms": round(1e3 * min(times), 3),
-                "load_avg_1m": load_avg(),
-            }
+            flops, shape = chain_flops(), f"chain dense {ROWS // rows} x {rows} rows"
+            line = _line(args.framework, dtype, f"chain-dense-m{rows}", shape, flops, times)
+            line |= {"chain_rows": rows, "chain_gflop": round(flops / 1e9, 2)}
+            line["load_avg_1m"] = load_avg()
             print(json.dumps({**line, **env}), flush=True)
 
 

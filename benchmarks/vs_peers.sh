@@ -200,7 +200,7 @@ for m in ("dense", "moe"):
                 line["goal_over_floor"] = round(line["goal_ms"] / min(floors), 3)
             # the dense step's weight matmuls alone, as either framework runs them (best call)
             chains = [r for r in rows if r.get("bench") == "matmul_peak"
-                      and r.get("dtype") == policy and "chain_rows" in r and m == "dense"]
+                      and r.get("dtype") == policy and "chain_rows" in r] if m == "dense" else []
             if chains:
                 best = min(chains, key=lambda r: r["ms"])
                 line["chain_ms"] = best["ms"]
