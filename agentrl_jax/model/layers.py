@@ -84,12 +84,15 @@ class Embedder(nn.Module):
     def decode(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> logits float32 [B, T, V]."""
         if self.cfg.tie_embeddings:
+            # The table transposed once per decode call (``transformer.transpose_head``) where
+            # present: the same products, a faster matmul at a few rows.
+            transposed = self.has_variable("params", "table_t")
+            w = self.get_variable("params", "table_t") if transposed else self.table
             # 1/sqrt(D): initial logits have std 1/sqrt(D) (rows of norm 1 at init, unit-rms x).
-            w = self.table
             if self.cfg.scaled_embeddings:
                 w = w * (1.0 / jnp.sqrt(float(self.cfg.d_model)))
             logits = weight_einsum(
-                "BTD,VD->BTV",
+                "BTD,DV->BTV" if transposed else "BTD,VD->BTV",
                 x.astype(self.policy.compute),
                 w.astype(self.policy.compute),
                 preferred_element_type=jnp.float32,

@@ -64,9 +64,10 @@ from agentrl_jax.model.transformer import (
     Transformer,
     fuse_projections,
     init_cache,
+    transpose_head,
     unstack_groups,
 )
-from agentrl_jax.rollout import slots
+from agentrl_jax.rollout import slots, threefry
 from agentrl_jax.rollout.cache_sharding import place_decode_state
 from agentrl_jax.rollout.rollout_config import RolloutConfig  # noqa: F401 - re-exported
 
@@ -77,6 +78,9 @@ UNSTACK_GROUPS = 16
 # on every row of the chunk. Parity policies keep every row: the trainer's chunks run the head
 # on as many rows, so both pick the same matmul kernel.
 LAST_ROW_LOGITS = True
+# One-row decode: a tied LM head against its table transposed once per decode call
+# (``transpose_head``), not on a multi-device mesh (the copy would be resharded).
+TRANSPOSE_HEAD = True
 
 
 class DecodeState(NamedTuple):
@@ -157,8 +161,13 @@ def first_argmax(x: jax.Array) -> jax.Array:
 
 def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
     """``jax.vmap(jax.random.categorical)(keys, logits)``, the same tokens: the Gumbel-max draw
-    per row ([B] keys, [B, V] logits -> int32 [B]) with :func:`first_argmax`."""
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], logits.dtype))(keys)
+    per row ([B] keys, [B, V] logits -> int32 [B]) with :func:`first_argmax`, its noise drawn
+    by ``threefry.gumbel`` where that gives ``jax.random``'s numbers."""
+    v = logits.shape[-1]
+    if logits.dtype == jnp.float32 and threefry.applies(keys):
+        noise = threefry.gumbel(keys, v)
+    else:
+        noise = jax.vmap(lambda k: jax.random.gumbel(k, (v,), logits.dtype))(keys)
     return first_argmax(noise + logits)
 
 
@@ -467,6 +476,8 @@ class Sampler:
                 params = unstack_groups(params, model.cfg.n_groups)
             if self.fuse_decode and not on_multi_device_mesh():
                 params = fuse_projections(params)
+            if TRANSPOSE_HEAD and not on_multi_device_mesh():
+                params = transpose_head(params)
         stops = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
         mcfg = model.cfg
         out_tok = jnp.zeros((b, n), jnp.int32)
@@ -488,7 +499,11 @@ class Sampler:
         def body(carry):
             i, st, live, count, out_tok, out_lp, out_rt = carry
             pos = st.cache["lengths"]
-            keys = jax.vmap(jax.random.fold_in)(ep_keys, pos)  # = token_keys(rng, uids, pos)
+            # = token_keys(rng, uids, pos)
+            if threefry.applies(ep_keys):
+                keys = threefry.fold_in(ep_keys, pos)
+            else:
+                keys = jax.vmap(jax.random.fold_in)(ep_keys, pos)
             tok, lp = sample_tokens(st.logits, keys, cfg, greedy_rows)
             toks = jnp.zeros((b, c), jnp.int32).at[:, 0].set(tok)
             valid = jnp.zeros((b, c), bool).at[:, 0].set(live)

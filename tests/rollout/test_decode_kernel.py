@@ -16,6 +16,7 @@ from agentrl_jax.model.transformer import (
     fuse_projections,
     init_cache,
     init_params,
+    transpose_head,
 )
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rollout import sampler as sampler_mod
@@ -93,25 +94,58 @@ def test_fuse_projections_joins_dense_mlp_weights_only():
     np.testing.assert_allclose(step(fused), step(params), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("scaled", [True, False])
+def test_transpose_head_adds_the_tied_table_transposed(scaled):
+    """``table_t`` = ``table``^T next to the table; an untied model unchanged; the tied head's
+    logits from either tree close (the matmul library may sum in another order)."""
+    cfg = ModelConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+        layer_pattern="DD", d_ff=48, init_std=0.3, scaled_embeddings=scaled,
+    )  # fmt: skip
+    pol = get_policy("fp32")
+    model = Transformer(cfg, pol, decode_kernel=True)
+    params = init_params(model, jax.random.key(6))
+    moved = transpose_head(params)
+    table = params["params"]["embed"]["table"]
+    assert sorted(moved["params"]["embed"]) == ["table", "table_t"]
+    np.testing.assert_array_equal(moved["params"]["embed"]["table_t"], table.T)
+    untied = init_params(Transformer(cfg.replace(tie_embeddings=False), pol), jax.random.key(7))
+    assert transpose_head(untied) is untied
+
+    toks = jax.random.randint(jax.random.key(8), (3, 5), 0, 64)
+    logits = jax.jit(lambda p: model.apply(p, toks)[0])
+    got, want = logits(moved), logits(params)
+    assert float(jnp.std(want)) > 0.1
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    doubled = {**moved["params"]["embed"], "table_t": 2 * table.T}  # the head reads table_t
+    doubled = {**moved, "params": {**moved["params"], "embed": doubled}}
+    np.testing.assert_allclose(logits(doubled), 2 * want, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_joins_weights_except_on_a_multi_device_mesh(monkeypatch, fp32_model):
     """The kernel decode calls ``fuse_projections`` once per decode call, not under a mesh of
-    several devices (also while tracing) nor under fp8 matmuls."""
-    calls = []
-    real = sampler_mod.fuse_projections
+    several devices (also while tracing) nor under fp8 matmuls; ``transpose_head`` the same,
+    fp8 included (the head is not an fp8 matmul)."""
+    calls, heads = [], []
+    real, real_head = sampler_mod.fuse_projections, sampler_mod.transpose_head
     monkeypatch.setattr(sampler_mod, "fuse_projections", lambda p: calls.append(1) or real(p))
+    monkeypatch.setattr(sampler_mod, "transpose_head", lambda p: heads.append(1) or real_head(p))
     params = fp32_model[1]
     ones = np.ones(N_SLOTS, bool)
     args = (jax.random.key(0), np.arange(N_SLOTS, dtype=np.int32), ones)
     budget = np.full(N_SLOTS, 2, np.int32)
-    for policy, n_dev, want in (("fp32", 1, 1), ("fp32", 2, 0), ("fp8", 1, 0)):
+    for policy, n_dev, want, want_head in (
+        ("fp32", 1, 1, 1), ("fp32", 2, 0, 0), ("fp8", 1, 0, 1),
+    ):  # fmt: skip
         calls.clear()
+        heads.clear()
         sampler = Sampler(Transformer(CFG, get_policy(policy)), SAMPLING)
         st = sampler.init_state(N_SLOTS, 16)
         mesh = jax.make_mesh((n_dev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                              devices=jax.devices()[:n_dev])  # fmt: skip
         with jax.set_mesh(mesh):
             jax.make_jaxpr(sampler._decode)(params, st, *args, budget, np.int32(N_SLOTS))
-        assert len(calls) == want, (policy, n_dev)
+        assert (len(calls), len(heads)) == (want, want_head), (policy, n_dev)
 
 
 @pytest.fixture(scope="module")
