@@ -80,6 +80,7 @@ def test_staleness_without_a_correction_is_refused():
         RLConfig(max_staleness=-1)
 
 
+@pytest.mark.slow  # a second process compiles and runs the smoke experiment: ~30 s of 2 cores
 def test_sigkilled_async_run_resumes_bitwise(tmp_path):
     cfg = load_config(SMOKE, ASYNC)
     s = build(cfg)
