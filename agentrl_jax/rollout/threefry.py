@@ -54,7 +54,14 @@ def hash2x32(k1, k2, x1, x2) -> tuple[jax.Array, jax.Array]:
 
 
 def fold_in(keys: jax.Array, data: jax.Array) -> jax.Array:
-    """``jax.vmap(jax.random.fold_in)(keys, data)``: [B] threefry keys, int [B] -> [B] keys."""
+    """``jax.vmap(jax.random.fold_in)(keys, data)``: [B] threefry keys, int32 [B] -> [B] keys.
+
+    Raises:
+      ValueError: ``data`` not a 32-bit integer array (a 64-bit value's high word would be
+        part of JAX's seed).
+    """
+    if data.dtype not in (jnp.int32, jnp.uint32):
+        raise ValueError(f"threefry.fold_in needs int32 or uint32 data, got {data.dtype}")
     kd = jax.random.key_data(keys)
     d = data.astype(jnp.uint32)  # threefry_seed of a 32-bit value: (0, value)
     y1, y2 = hash2x32(kd[:, 0], kd[:, 1], jnp.zeros_like(d), d)

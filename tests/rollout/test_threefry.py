@@ -31,6 +31,8 @@ def test_fold_in_is_jax_random_fold_in_bitwise():
     assert str(jax.random.key_impl(got)) == "threefry2x32"
     np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(want))
     assert len({tuple(k) for k in np.asarray(jax.random.key_data(got))}) == 6
+    with pytest.raises(ValueError, match="int32 or uint32 data, got int16"):
+        threefry.fold_in(keys, data.astype(jnp.int16))
 
 
 def test_hash_matches_the_threefry_known_answer():
