@@ -162,12 +162,8 @@ def first_argmax(x: jax.Array) -> jax.Array:
 def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
     """``jax.vmap(jax.random.categorical)(keys, logits)``, the same tokens: the Gumbel-max draw
     per row ([B] keys, [B, V] logits -> int32 [B]) with :func:`first_argmax`, its noise drawn
-    by ``threefry.gumbel`` where that gives ``jax.random``'s numbers."""
-    v = logits.shape[-1]
-    if logits.dtype == jnp.float32 and threefry.applies(keys):
-        noise = threefry.gumbel(keys, v)
-    else:
-        noise = jax.vmap(lambda k: jax.random.gumbel(k, (v,), logits.dtype))(keys)
+    by ``threefry.gumbel`` (``jax.random``'s numbers)."""
+    noise = threefry.gumbel(keys, logits.shape[-1], logits.dtype)
     return first_argmax(noise + logits)
 
 
@@ -499,11 +495,7 @@ class Sampler:
         def body(carry):
             i, st, live, count, out_tok, out_lp, out_rt = carry
             pos = st.cache["lengths"]
-            # = token_keys(rng, uids, pos)
-            if threefry.applies(ep_keys):
-                keys = threefry.fold_in(ep_keys, pos)
-            else:
-                keys = jax.vmap(jax.random.fold_in)(ep_keys, pos)
+            keys = threefry.fold_in(ep_keys, pos)  # = token_keys(rng, uids, pos)
             tok, lp = sample_tokens(st.logits, keys, cfg, greedy_rows)
             toks = jnp.zeros((b, c), jnp.int32).at[:, 0].set(tok)
             valid = jnp.zeros((b, c), bool).at[:, 0].set(live)

@@ -8,8 +8,8 @@ step at batch 8 on the 2-core development CPU. The same hash written out here (s
 against it) in 0.3x the time ([8, 1024] Gumbel draws, docs/results.md).
 
 It applies to typed keys of the ``threefry2x32`` implementation under JAX's default
-``jax_threefry_partitionable`` and low-dynamic-range Gumbel settings (:func:`applies`); any
-other key or setting goes to ``jax.random`` unchanged.
+``jax_threefry_partitionable`` and low-dynamic-range Gumbel settings (:func:`applies`);
+:func:`fold_in` and :func:`gumbel` hand any other key, setting or dtype to ``jax.random``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def hash2x32(k1, k2, x1, x2) -> tuple[jax.Array, jax.Array]:
 
 
 def fold_in(keys: jax.Array, data: jax.Array) -> jax.Array:
-    """``jax.vmap(jax.random.fold_in)(keys, data)``: [B] threefry keys, int32 [B] -> [B] keys.
+    """``jax.vmap(jax.random.fold_in)(keys, data)``: [B] keys, int32 [B] -> [B] keys.
 
     Raises:
       ValueError: ``data`` not a 32-bit integer array (a 64-bit value's high word would be
@@ -62,15 +62,18 @@ def fold_in(keys: jax.Array, data: jax.Array) -> jax.Array:
     """
     if data.dtype not in (jnp.int32, jnp.uint32):
         raise ValueError(f"threefry.fold_in needs int32 or uint32 data, got {data.dtype}")
+    if not applies(keys):
+        return jax.vmap(jax.random.fold_in)(keys, data)
     kd = jax.random.key_data(keys)
     d = data.astype(jnp.uint32)  # threefry_seed of a 32-bit value: (0, value)
     y1, y2 = hash2x32(kd[:, 0], kd[:, 1], jnp.zeros_like(d), d)
     return jax.random.wrap_key_data(jnp.stack([y1, y2], axis=-1), impl="threefry2x32")
 
 
-def gumbel(keys: jax.Array, v: int) -> jax.Array:
-    """``jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)``: [B] threefry keys
-    -> float32 [B, v]."""
+def gumbel(keys: jax.Array, v: int, dtype=jnp.float32) -> jax.Array:
+    """``jax.vmap(lambda k: jax.random.gumbel(k, (v,), dtype))(keys)``: [B] keys -> [B, v]."""
+    if jnp.dtype(dtype) != jnp.float32 or not applies(keys):
+        return jax.vmap(lambda k: jax.random.gumbel(k, (v,), dtype))(keys)
     kd = jax.random.key_data(keys)
     count = jax.lax.broadcasted_iota(jnp.uint32, (1, v), 1)  # the low words; high words zero
     b1, b2 = hash2x32(kd[:, :1], kd[:, 1:], jnp.zeros_like(count), count)

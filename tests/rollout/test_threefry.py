@@ -52,6 +52,21 @@ def test_applies_only_where_the_bits_are_jax_randoms():
         assert not threefry.applies(keys)
 
 
+def test_other_keys_and_dtypes_go_to_jax_random():
+    """What the unrolled hash does not serve (rbg keys, bf16 noise) is ``jax.random``'s own."""
+    rbg = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(5, impl="rbg"), i))(jnp.arange(4))
+    pos = jnp.asarray([0, 3, 9, 100], jnp.int32)
+    np.testing.assert_array_equal(
+        jax.random.key_data(threefry.fold_in(rbg, pos)),
+        jax.random.key_data(jax.vmap(jax.random.fold_in)(rbg, pos)),
+    )
+    for keys, dtype in ((rbg, jnp.float32), (_keys(4), jnp.bfloat16)):
+        got = threefry.gumbel(keys, 50, dtype)
+        want = jax.vmap(lambda k, d=dtype: jax.random.gumbel(k, (50,), d))(keys)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_categorical_with_other_keys_still_draws_jax_randoms_tokens():
     """Keys the unrolled hash does not serve (rbg) go to ``jax.random``: its tokens."""
     x = jnp.asarray(np.random.default_rng(1).normal(size=(16, 50)).astype(np.float32) * 3)
