@@ -152,7 +152,7 @@ class DTypePolicy:
         )
 
 
-def _matmul_form(xs: str, ws: str, out: str) -> tuple[int, bool] | None:
+def matmul_form(xs: str, ws: str, out: str) -> tuple[int, bool] | None:
     """``(batch axes, w transposed)`` when ``xs,ws->out`` reads ``<batch><c>,<c><out>`` or
     ``<batch><c>,<out><c>`` -> ``<batch><out>`` with distinct letters; else None."""
     for n_c in range(1, min(len(xs), len(ws)) + 1):
@@ -186,7 +186,7 @@ def weight_einsum(
     """
     ins, out = subscripts.replace(" ", "").split("->")
     xs, ws = ins.split(",")
-    form = _matmul_form(xs, ws, out)
+    form = matmul_form(xs, ws, out)
     if form is None:
         y = jnp.einsum(subscripts, x, w, **kwargs)
         return y if out_dtype is None else y.astype(out_dtype)

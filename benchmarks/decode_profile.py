@@ -14,6 +14,14 @@ the summed op time; ops of the two threads can overlap, so the parts add up to t
 not the wall time), ops_over_wall (summed op time over the decode's wall time), plus
 load_avg_1m and the environment fields.
 
+The memory floor: every decode step reads all the weights (the MoE's experts run as one
+batched matmul over every expert) and each sequence's cached keys and values. weight_mb (the
+parameters as stored), kv_mb_per_step (the cached rows of every layer, averaged over the
+steps: PROMPT + t + 1 rows at step t), stream_gb_per_s (the fastest read this process gets
+from memory: a jitted sum over STREAM_MB of float32, well past the last-level cache, best of
+STREAM_REPS), floor_us ((weight + kv) bytes at that rate: a step that only read its operands
+once from memory) and step_over_floor (step_us over it).
+
 Usage: python benchmarks/decode_profile.py [--models dense,moe] [--batches 8,32] [--reps 3]
 """
 
@@ -28,11 +36,13 @@ import re
 import tempfile
 
 import jax
-from common import NEW, env_fields, load_avg, time_ms
+import jax.numpy as jnp
+from common import NEW, PROMPT, env_fields, load_avg, time_ms
 from rollout import build
 
 from agentrl_jax.precision import get_policy
 
+STREAM_MB, STREAM_REPS = 256, 10
 PARTS = ("attention", "ffn", "lm_head", "sampling", "other")
 _SCOPES = (("/sample/", "sampling"), ("/attn/", "attention"), ("/mlp/", "ffn"), ("/moe/", "ffn"),
            ("/embed.", "lm_head"))  # fmt: skip
@@ -78,6 +88,39 @@ def trace_op_us(fn, reps: int, module: str) -> dict[str, float]:
     return out
 
 
+def stream_gb_per_s(mb: int = STREAM_MB, reps: int = STREAM_REPS) -> float:
+    """The fastest read from memory this process gets: a jitted sum over ``mb`` MB of float32
+    (random, so nothing folds), in GB/s, best of ``reps`` (module docstring)."""
+    x = jax.random.normal(jax.random.key(0), (mb * 2**18,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    best = time_ms(lambda: total(x), reps=reps).min_ms
+    return x.nbytes / (best / 1e3) / 1e9
+
+
+def kv_bytes_per_token(cache) -> float:
+    """Bytes of keys and values one cached token holds over all layers: each pool leaf is
+    [groups, pages, page_size, ...]."""
+    return sum(
+        leaf.nbytes / (leaf.shape[1] * leaf.shape[2])
+        for leaf in jax.tree_util.tree_leaves(cache["layers"])
+    )
+
+
+def memory_floor(run, batch: int, step_us: float, stream: float) -> dict:
+    """The memory-floor keys of a line (module docstring)."""
+    weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(run.params))
+    rows = PROMPT + (NEW + 1) / 2  # mean of PROMPT + t + 1 over t < NEW
+    kv = batch * rows * kv_bytes_per_token(run.sampler.init_state(batch).cache)
+    floor_us = (weights + kv) / (stream * 1e3)
+    return dict(
+        weight_mb=weights / 1e6,
+        kv_mb_per_step=kv / 1e6,
+        stream_gb_per_s=stream,
+        floor_us=floor_us,
+        step_over_floor=step_us / floor_us,
+    )
+
+
 def profile_line(kind: str, batch: int, reps: int, policy: str = "fp32") -> dict:
     run = build(kind, "D", batch, get_policy(policy), 1, True)
     hlo = run.decode.as_text()
@@ -104,6 +147,7 @@ def profile_line(kind: str, batch: int, reps: int, policy: str = "fp32") -> dict
         **{f"{p}_us": by_part[p] for p in PARTS},
         **{f"{p}_share": by_part[p] / total for p in PARTS},
         ops_over_wall=total / step_us,
+        **memory_floor(run, batch, step_us, stream_gb_per_s()),
         load_avg_1m=load_avg(),
     )
     line.update(env_fields())

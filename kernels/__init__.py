@@ -17,7 +17,9 @@ DMAs only the pages / key blocks used. On CPU they run with ``interpret=True`` o
 ``interpret=pltpu.InterpretParams()`` (TPU semantics); compiled, they need a TPU backend.
 paged_decode_attention also has ``impl='cpu'`` (``paged_decode_cpu``): a C++ kernel through the
 XLA FFI, built on first use, that reads the pages in place on the CPU backend (and takes a block
-table per kv head). sliding_window_attention also has ``impl='cudnn'`` (GPU:
+table per kv head). ``skinny_matmul_cpu`` is the one non-attention kernel: a C++ matmul of a
+few rows against a weight packed in column panels, which the one-row decode's weight matmuls
+use on the CPU backend (built the same way, ``native``). sliding_window_attention also has ``impl='cudnn'`` (GPU:
 ``jax.nn.dot_product_attention`` with its sliding-window mask).
 """
 

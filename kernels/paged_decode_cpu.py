@@ -10,112 +10,39 @@ spread over XLA's intra-op threads. It also takes a block table per kv head (``b
 [B, K, J]), so sparse attention whose heads select different blocks is one call, not one per
 head.
 
-Built on first use with the C++ compiler (``$CXX``, default ``c++``) against the FFI headers of
-the installed jaxlib, ``-O3 -march=native``, into a cache folder
-(``$AGENTRL_KERNEL_CACHE``, default ``$XDG_CACHE_HOME/agentrl_jax/kernels`` or
-``~/.cache/agentrl_jax/kernels``) under a name keyed by the source, the flags, the compiler,
-jaxlib and the CPU's feature flags; later processes load the built library. Without a compiler
-(or with ``AGENTRL_NATIVE_KERNELS=0``) :func:`available` is false and ``impl='auto'`` keeps the
-XLA path; asking for ``impl='cpu'`` then raises with the reason.
+Built on first use (``native``: the C++ compiler, a cache folder keyed by the source, flags,
+compiler, jaxlib and CPU). Without a compiler (or with ``AGENTRL_NATIVE_KERNELS=0``)
+:func:`available` is false and ``impl='auto'`` keeps the XLA path; asking for ``impl='cpu'``
+then raises with the reason.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
+from agentrl_jax.kernels import native
 
 SOURCE = Path(__file__).with_name("paged_decode_cpu.cc")
 TARGET = "agentrl_paged_decode_cpu"
 SYMBOL = "AgentrlPagedDecodeCpu"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared",
-         "-fPIC")  # fmt: skip
 PAGE_DTYPES = ("float32", "bfloat16", "int8")
 MAX_GROUP, MAX_HEAD_DIM = 64, 512  # kMaxGroup, kMaxHeadDim of the source
 
 
-def cache_dir() -> Path:
-    """Where built kernels are kept (module docstring)."""
-    if os.environ.get("AGENTRL_KERNEL_CACHE"):
-        return Path(os.environ["AGENTRL_KERNEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "agentrl_jax" / "kernels"
-
-
-def _cpu_features() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def _build(compiler: str) -> Path:
-    """The built library's path, compiling it unless the cache holds it."""
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=True
-    ).stdout.splitlines()[0]
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256(
-        "\n".join(
-            [
-                SOURCE.read_text(),
-                " ".join(FLAGS),
-                version,
-                include,
-                jaxlib.__version__,
-                _cpu_features(),
-            ]
-        ).encode()  # fmt: skip
-    ).hexdigest()[:16]
-    folder = cache_dir()
-    lib = folder / f"libpaged_decode_cpu-{key}.so"
-    if lib.exists():
-        return lib
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)  # renamed into place: concurrent
-    os.close(fd)  # builds (test workers) never load a half-written file
-    try:
-        cmd = [compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return lib
+    """The built library's path, compiling it unless the cache holds it (``native.build``)."""
+    return native.build(compiler, SOURCE)
 
 
 @functools.cache
 def _load() -> str | None:
     """Builds (or finds) and registers the kernel once per process; the reason it is
     unavailable, or None."""
-    if os.environ.get("AGENTRL_NATIVE_KERNELS", "1") == "0":
-        return "disabled by AGENTRL_NATIVE_KERNELS=0"
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler {compiler!r} on PATH (set $CXX)"
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        return f"building {SOURCE.name} failed: {e}"
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
-    return None
+    return native.load(SOURCE, TARGET, SYMBOL, _build)
 
 
 def available() -> bool:

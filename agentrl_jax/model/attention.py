@@ -60,7 +60,7 @@ from flax import linen as nn
 
 from agentrl_jax import kernels
 from agentrl_jax.model.config import ModelConfig
-from agentrl_jax.model.layers import RMSNorm, param_init
+from agentrl_jax.model.layers import RMSNorm, einsum_or_packed, param_init
 from agentrl_jax.model.paged import (  # noqa: F401 - re-exported: part of this module's API
     _int8_at,
     _sparse_decode,
@@ -207,7 +207,7 @@ class Attention(nn.Module):
             )
             gate = jax.nn.sigmoid(pol.einsum("BTD,DN->BTN", x, wg).astype(jnp.float32))
             out = (out.astype(jnp.float32) * gate[..., None]).astype(pol.compute)
-        y = pol.einsum("BTNH,NHD->BTD", out, wo)
+        y = einsum_or_packed(self, "wo", "BTNH,NHD->BTD", out, wo, pol)
         if cfg.attn_bias:
             bo = self.param(
                 "bo", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
@@ -229,7 +229,7 @@ class Attention(nn.Module):
                 (d, heads, h),
                 pol.param,
             )
-            y = pol.einsum("BTD,DNH->BTNH", x, w)
+            y = einsum_or_packed(self, f"w{name}", "BTD,DNH->BTNH", x, w, pol)
             if cfg.attn_bias:
                 bias = self.param(
                     f"b{name}",

@@ -7,16 +7,49 @@ fp32 statistics of the norm and the fp32 logits the policy requires.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from agentrl_jax.kernels.skinny_matmul_cpu import skinny_matmul
 from agentrl_jax.model.config import ModelConfig
-from agentrl_jax.precision import DTypePolicy, weight_einsum
+from agentrl_jax.precision import DTypePolicy, matmul_form, weight_einsum
+
+PACKED = "_packed"  # suffix of a weight packed for the skinny-matmul kernel (``pack_weights``)
 
 
 def param_init(std: float):
     return nn.initializers.normal(stddev=std)
+
+
+def packed_matmul(subscripts: str, x: jax.Array, packed: jax.Array, w_shape: tuple) -> jax.Array:
+    """``einsum(subscripts, x, w)`` for ``w`` of shape ``w_shape`` given as
+    ``skinny_matmul_cpu.pack`` of its [contract, out] view: float32, through the C++ kernel.
+    ``subscripts`` must read ``<batch><contract>,<contract><out>-><batch><out>``."""
+    ins, out = subscripts.replace(" ", "").split("->")
+    xs, ws = ins.split(",")
+    form = matmul_form(xs, ws, out)
+    if form is None or form[1]:
+        raise ValueError(f"packed_matmul takes <batch><c>,<c><out> subscripts; got {subscripts!r}")
+    n_b = form[0]
+    n_c = x.ndim - n_b
+    rows = x.reshape(*x.shape[:n_b], -1).astype(jnp.float32)
+    y = skinny_matmul(rows, packed, math.prod(w_shape[n_c:]))
+    return y.reshape(*x.shape[:n_b], *w_shape[n_c:])
+
+
+def einsum_or_packed(
+    module: nn.Module, name: str, subscripts: str, x: jax.Array, w: jax.Array, policy: DTypePolicy
+) -> jax.Array:
+    """``policy.einsum(subscripts, x, w)`` for ``module``'s weight ``name``, or, where the
+    one-row decode packed it (``transformer.pack_weights``: ``<name>_packed`` beside it), the
+    same product through the skinny-matmul kernel (float32 policies only; its sums run in
+    another order, so the last bits differ)."""
+    if not module.has_variable("params", name + PACKED):
+        return policy.einsum(subscripts, x, w)
+    return packed_matmul(subscripts, x, module.get_variable("params", name + PACKED), w.shape)
 
 
 class RMSNorm(nn.Module):
@@ -83,6 +116,10 @@ class Embedder(nn.Module):
 
     def decode(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> logits float32 [B, T, V]."""
+        if self.has_variable("params", "head" + PACKED):  # ``transformer.pack_weights``
+            d, v = self.cfg.d_model, self.cfg.vocab_size
+            head = self.get_variable("params", "head" + PACKED)
+            return packed_matmul("BTD,DV->BTV", x, head, (d, v)).astype(self.policy.logits)
         if self.cfg.tie_embeddings:
             # The table transposed once per decode call (``transformer.transpose_head``) where
             # present: the same products, a faster matmul at a few rows.

@@ -55,6 +55,7 @@ from agentrl_jax.model.experts import (  # noqa: F401 - route and the references
     moe_reference,
     route,
 )
+from agentrl_jax.model.layers import einsum_or_packed
 from agentrl_jax.precision import DTypePolicy
 
 TOKEN_AXES = ("data", "fsdp", "expert")  # mesh axes tokens are split over inside the dispatch
@@ -89,7 +90,7 @@ class MLP(nn.Module):
         if self.has_variable("params", "w_gate_up"):
             names, shape = ("embed", "mlp"), (cfg.d_model, 2 * f)
             w = self.param("w_gate_up", _init(cfg.init_std, names), shape, pol.param)
-            gu = pol.einsum("BTD,DF->BTF", x, w)
+            gu = einsum_or_packed(self, "w_gate_up", "BTD,DF->BTF", x, w, pol)
             gate, up = gu[..., :f], gu[..., f:]
         else:
             w_gate = self.param(
@@ -98,9 +99,10 @@ class MLP(nn.Module):
             w_up = self.param(
                 "w_up", _init(cfg.init_std, ("embed", "mlp")), (cfg.d_model, f), pol.param
             )
-            gate, up = pol.einsum("BTD,DF->BTF", x, w_gate), pol.einsum("BTD,DF->BTF", x, w_up)
+            gate = einsum_or_packed(self, "w_gate", "BTD,DF->BTF", x, w_gate, pol)
+            up = einsum_or_packed(self, "w_up", "BTD,DF->BTF", x, w_up, pol)
         w_down = self.param("w_down", _init(std_out, ("mlp", "embed")), (f, cfg.d_model), pol.param)
-        return pol.einsum("BTF,FD->BTD", nn.silu(gate) * up, w_down)
+        return einsum_or_packed(self, "w_down", "BTF,FD->BTD", nn.silu(gate) * up, w_down, pol)
 
 
 def load_balance_loss(

@@ -23,9 +23,10 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from agentrl_jax.kernels import skinny_matmul_cpu
 from agentrl_jax.model.attention import Attention, init_layer_cache
 from agentrl_jax.model.config import ModelConfig
-from agentrl_jax.model.layers import Embedder, RMSNorm
+from agentrl_jax.model.layers import PACKED, Embedder, RMSNorm
 from agentrl_jax.model.moe import MLP, MoE
 from agentrl_jax.precision import DTypePolicy
 
@@ -495,6 +496,52 @@ def transpose_head(params: dict) -> dict:
     embed["table_t"] = embed["table"].T
     inner["embed"] = embed
     return {**params, "params": inner}
+
+
+# weights ``pack_weights`` packs, by their module's name: {weight: (its rank, contracted axes)}
+PACKABLE = {
+    "attn": {"wq": (3, 1), "wk": (3, 1), "wv": (3, 1), "wo": (3, 2)},
+    "mlp": {"w_gate_up": (2, 1), "w_gate": (2, 1), "w_up": (2, 1), "w_down": (2, 1)},
+}
+
+
+def pack_weights(params: dict, cfg: ModelConfig) -> dict:
+    """Parameters for a one-row decode that runs its weight matmuls through the skinny-matmul
+    kernel (``kernels.skinny_matmul_cpu``): each attention projection and dense MLP weight gets
+    ``<name>_packed`` beside it (its [contract, out] view as column panels, leading stacked
+    axes kept), and ``embed`` gets ``head_packed``, the LM head's [D, V] weight as it multiplies
+    (a tied table transposed and scaled as ``Embedder.decode`` scales it, or ``unembed``); the
+    modules use those where present (``layers.einsum_or_packed``). MoE experts and the router
+    keep XLA's matmuls. The sampler packs once per decode call, on the CPU backend under
+    float32 policies, where the kernel streams a weight about twice as fast as XLA's matmul at a
+    few rows (docs/results.md); the products differ from XLA's in the last bits."""
+
+    def pack_as(w, rank, n_c):
+        lead = w.shape[: w.ndim - rank]
+        k = math.prod(w.shape[len(lead) : len(lead) + n_c])
+        return skinny_matmul_cpu.pack(w.reshape(*lead, k, -1))
+
+    def walk(tree, name=None):
+        if not isinstance(tree, dict):
+            return tree
+        out = {k: walk(v, k) for k, v in tree.items()}
+        for weight, (rank, n_c) in PACKABLE.get(name, {}).items():
+            if weight in out:
+                out[weight + PACKED] = pack_as(out[weight], rank, n_c)
+        return out
+
+    packed = walk(params)
+    inner = dict(packed["params"])
+    embed = dict(inner["embed"])
+    if "unembed" in embed:
+        head = embed["unembed"]
+    else:
+        head = embed["table"].T
+        if cfg.scaled_embeddings:
+            head = head * (1.0 / jnp.sqrt(float(cfg.d_model)))
+    embed["head" + PACKED] = skinny_matmul_cpu.pack(head.astype(jnp.float32))
+    inner["embed"] = embed
+    return {**packed, "params": inner}
 
 
 def param_count(params) -> int:

@@ -57,13 +57,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentrl_jax.kernels import on_multi_device_mesh
+from agentrl_jax.kernels import on_multi_device_mesh, skinny_matmul_cpu
 from agentrl_jax.model.chunked import NEVER, fixed_order_logprobs
 from agentrl_jax.model.transformer import (
     CacheSpec,
     Transformer,
     fuse_projections,
     init_cache,
+    pack_weights,
     transpose_head,
     unstack_groups,
 )
@@ -81,6 +82,10 @@ LAST_ROW_LOGITS = True
 # One-row decode: a tied LM head against its table transposed once per decode call
 # (``transpose_head``), not on a multi-device mesh (the copy would be resharded).
 TRANSPOSE_HEAD = True
+# One-row decode on the CPU backend under a float32 policy: the weight matmuls through the
+# skinny-matmul kernel, their weights packed once per decode call (``pack_weights``); not on a
+# multi-device mesh (the kernel has no partitioning rule), nor where the kernel is unavailable.
+PACK_WEIGHTS = True
 
 
 class DecodeState(NamedTuple):
@@ -240,6 +245,21 @@ class Sampler:
         copy = functools.partial(slots.copy_slots, pattern=mcfg.layer_pattern)
         self._copy = jax.jit(copy, donate_argnums=0)
         self.decode = jax.jit(self._decode, donate_argnums=1)
+
+    def packs_weights(self) -> bool:
+        """Whether the one-row decode runs its weight matmuls through the skinny-matmul kernel
+        (``PACK_WEIGHTS``): on the CPU backend, float32 compute and accumulation, no fp8, no
+        multi-device mesh, the kernel built. Read at trace time."""
+        pol = self.model.policy
+        return (
+            PACK_WEIGHTS
+            and jax.default_backend() == "cpu"
+            and pol.compute == jnp.float32
+            and pol.accum == jnp.float32
+            and not pol.fp8_matmul
+            and not on_multi_device_mesh()
+            and skinny_matmul_cpu.available()
+        )
 
     # State ----------------------------------------------------------------------------------
     def init_state(
@@ -472,7 +492,9 @@ class Sampler:
                 params = unstack_groups(params, model.cfg.n_groups)
             if self.fuse_decode and not on_multi_device_mesh():
                 params = fuse_projections(params)
-            if TRANSPOSE_HEAD and not on_multi_device_mesh():
+            if self.packs_weights():
+                params = pack_weights(params, model.cfg)
+            elif TRANSPOSE_HEAD and not on_multi_device_mesh():
                 params = transpose_head(params)
         stops = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
         mcfg = model.cfg

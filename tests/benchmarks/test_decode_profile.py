@@ -1,5 +1,6 @@
 """benchmarks/decode_profile.py: a rollout's decode time by model part, from a profiler trace."""
 
+import jax
 import pytest
 
 from benchmarks import script
@@ -39,3 +40,17 @@ def test_profile_line_of_the_dense_rollout():
     assert sum(shares) == pytest.approx(1.0)
     # every part of the decode step shows up: the scopes match the model's and sampler's names
     assert min(line[f"{p}_us"] for p in decode_profile.PARTS) > 0
+    # the memory floor: the weights as stored, the cached rows' K/V bytes of every layer
+    bench = decode_profile.build("dense", "D", 2, decode_profile.get_policy("fp32"), 1, True)
+    cfg = bench.model_cfg
+    per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 4  # k and v, float32
+    assert decode_profile.kv_bytes_per_token(bench.sampler.init_state(2).cache) == per_token
+    rows = decode_profile.PROMPT + (decode_profile.NEW + 1) / 2
+    assert line["kv_mb_per_step"] == pytest.approx(2 * rows * per_token / 1e6)
+    assert line["weight_mb"] == pytest.approx(
+        sum(x.nbytes for x in jax.tree.leaves(bench.params)) / 1e6
+    )
+    assert line["stream_gb_per_s"] > 0
+    floor = 1e3 * (line["weight_mb"] + line["kv_mb_per_step"]) / line["stream_gb_per_s"]  # us
+    assert line["floor_us"] == pytest.approx(floor)
+    assert line["step_over_floor"] == pytest.approx(line["step_us"] / floor)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from agentrl_jax.kernels import skinny_matmul_cpu
 from rollout_setup import CFG, N_SLOTS, SAMPLING
 from test_agent_loop import play
 
@@ -16,6 +17,7 @@ from agentrl_jax.model.transformer import (
     fuse_projections,
     init_cache,
     init_params,
+    pack_weights,
     transpose_head,
 )
 from agentrl_jax.precision import get_policy
@@ -122,30 +124,97 @@ def test_transpose_head_adds_the_tied_table_transposed(scaled):
     np.testing.assert_allclose(logits(doubled), 2 * want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not skinny_matmul_cpu.available(), reason="no skinny-matmul kernel")
+@pytest.mark.parametrize("scaled,tied", [(True, True), (False, True), (True, False)])
+def test_pack_weights_packs_the_decode_matmuls(scaled, tied):
+    """Every attention projection and dense MLP weight gets ``<name>_packed`` (its [contract,
+    out] view, stacked groups kept), the head ``head_packed`` (the tied table transposed and
+    scaled as the head scales it, or ``unembed``); MoE experts untouched. One decode row with a
+    cache from the packed tree: logits close to the plain tree's, and the modules read the
+    packed copies (doubling the head's doubles the logits)."""
+    cfg = ModelConfig(
+        vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
+        layer_pattern="SD", window=8, d_ff=48, init_std=0.3, scaled_embeddings=scaled,
+        tie_embeddings=tied,
+    )  # fmt: skip
+    pol = get_policy("fp32")
+    model = Transformer(cfg, pol, decode_kernel=True)
+    params = fuse_projections(init_params(model, jax.random.key(9)))
+    packed = pack_weights(params, cfg)
+    unpack = skinny_matmul_cpu.unpack
+    for layer in ("layer_0", "layer_1"):
+        got, want = packed["params"]["groups"][layer], params["params"]["groups"][layer]
+        for name in ("wq", "wk", "wv", "wo"):
+            w = want["attn"][name]
+            view = w.reshape(2, 32, -1) if name != "wo" else w.reshape(2, 32, 32)
+            np.testing.assert_array_equal(unpack(got["attn"][name + "_packed"], view.shape[-1]),
+                                          view)  # fmt: skip
+        for name in ("w_gate_up", "w_down"):
+            w = want["mlp"][name]
+            np.testing.assert_array_equal(unpack(got["mlp"][name + "_packed"], w.shape[-1]), w)
+    embed = params["params"]["embed"]
+    head = embed["unembed"] if not tied else embed["table"].T * (32**-0.5 if scaled else 1.0)
+    np.testing.assert_allclose(unpack(packed["params"]["embed"]["head_packed"], 64), head,
+                               rtol=1e-7, atol=0)  # fmt: skip
+    moe_cfg = cfg.replace(n_experts=4, experts_per_token=2, d_expert=16)
+    moe_params = init_params(Transformer(moe_cfg, pol), jax.random.key(4))
+    moe_layer = pack_weights(moe_params, moe_cfg)["params"]["groups"]["layer_0"]
+    assert moe_layer["moe"].keys() == moe_params["params"]["groups"]["layer_0"]["moe"].keys()
+
+    b = 3
+    toks = jax.random.randint(jax.random.key(5), (b, 9), 0, 64)
+
+    @jax.jit
+    def step(params):
+        cache = init_cache(cfg, pol, CacheSpec(b, 32, page_size=8))
+        _, cache, _ = model.apply(params, toks, cache=cache)
+        return model.apply(params, toks[:, :1], cache=cache)[0]
+
+    want = step(params)
+    assert float(jnp.std(want)) > 0.1
+    np.testing.assert_allclose(step(packed), want, rtol=0, atol=1e-5)
+    embed = {**packed["params"]["embed"]}
+    embed["head_packed"] = 2 * embed["head_packed"]
+    doubled = {**packed, "params": {**packed["params"], "embed": embed}}
+    np.testing.assert_allclose(step(doubled), 2 * want, rtol=0, atol=2e-5)
+
+
 def test_decode_joins_weights_except_on_a_multi_device_mesh(monkeypatch, fp32_model):
     """The kernel decode calls ``fuse_projections`` once per decode call, not under a mesh of
-    several devices (also while tracing) nor under fp8 matmuls; ``transpose_head`` the same,
-    fp8 included (the head is not an fp8 matmul)."""
-    calls, heads = [], []
-    real, real_head = sampler_mod.fuse_projections, sampler_mod.transpose_head
+    several devices (also while tracing) nor under fp8 matmuls; ``pack_weights`` once under
+    float32 on one device (where the skinny-matmul kernel builds), and ``transpose_head``
+    where it does not pack (fp8 included: the head is not an fp8 matmul), not under a mesh."""
+    calls, heads, packs = [], [], []
+    real, real_head, real_pack = (sampler_mod.fuse_projections, sampler_mod.transpose_head,
+                                  sampler_mod.pack_weights)  # fmt: skip
     monkeypatch.setattr(sampler_mod, "fuse_projections", lambda p: calls.append(1) or real(p))
     monkeypatch.setattr(sampler_mod, "transpose_head", lambda p: heads.append(1) or real_head(p))
+    monkeypatch.setattr(sampler_mod, "pack_weights",
+                        lambda p, c: packs.append(1) or real_pack(p, c))  # fmt: skip
     params = fp32_model[1]
     ones = np.ones(N_SLOTS, bool)
     args = (jax.random.key(0), np.arange(N_SLOTS, dtype=np.int32), ones)
     budget = np.full(N_SLOTS, 2, np.int32)
-    for policy, n_dev, want, want_head in (
-        ("fp32", 1, 1, 1), ("fp32", 2, 0, 0), ("fp8", 1, 0, 1),
+    native = skinny_matmul_cpu.available()
+    for policy, n_dev, pack_on, want in (
+        ("fp32", 1, True, (1, 0, 1) if native else (1, 1, 0)),
+        ("fp32", 1, False, (1, 1, 0)),
+        ("fp32", 2, True, (0, 0, 0)),
+        ("fp8", 1, True, (0, 1, 0)),
+        ("bf16", 1, True, (1, 1, 0)),
     ):  # fmt: skip
-        calls.clear()
-        heads.clear()
+        for seen in (calls, heads, packs):
+            seen.clear()
+        monkeypatch.setattr(sampler_mod, "PACK_WEIGHTS", pack_on)
         sampler = Sampler(Transformer(CFG, get_policy(policy)), SAMPLING)
         st = sampler.init_state(N_SLOTS, 16)
         mesh = jax.make_mesh((n_dev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                              devices=jax.devices()[:n_dev])  # fmt: skip
         with jax.set_mesh(mesh):
-            jax.make_jaxpr(sampler._decode)(params, st, *args, budget, np.int32(N_SLOTS))
-        assert (len(calls), len(heads)) == (want, want_head), (policy, n_dev)
+            jaxpr = jax.make_jaxpr(sampler._decode)(params, st, *args, budget, np.int32(N_SLOTS))
+        assert (len(calls), len(heads), len(packs)) == want, (policy, n_dev, pack_on)
+        # the packed decode's matmuls are the kernel's calls
+        assert (skinny_matmul_cpu.TARGET in str(jaxpr)) == bool(packs), (policy, n_dev, pack_on)
 
 
 @pytest.fixture(scope="module")
