@@ -19,8 +19,8 @@ paged_decode_attention also has ``impl='cpu'`` (``paged_decode_cpu``): a C++ ker
 XLA FFI, built on first use, that reads the pages in place on the CPU backend (and takes a block
 table per kv head). ``skinny_matmul_cpu`` is the one non-attention kernel: a C++ matmul of a
 few rows against a weight packed in column panels, which the one-row decode's weight matmuls
-use on the CPU backend (built the same way, ``native``). sliding_window_attention also has ``impl='cudnn'`` (GPU:
-``jax.nn.dot_product_attention`` with its sliding-window mask).
+use on the CPU backend (built the same way, ``native``). sliding_window_attention also has
+``impl='cudnn'`` (GPU: ``jax.nn.dot_product_attention`` with its sliding-window mask).
 """
 
 from agentrl_jax.kernels.block_sparse import (

@@ -1,8 +1,9 @@
 // A matmul of a few rows against a weight packed in column panels, for the one-row decode on
 // the CPU backend (see skinny_matmul_cpu.py).
 //
-// y[M, n] = x[M, K] @ w, with w given as panels [Np, K, P] (panel p holds columns
-// p*P .. p*P+P-1 of the [K, n] weight, row after row, zero-padded past n). At a few rows a
+// y[G, M, n] = x[G, M, K] @ w[G], with each of the G weights given as panels [Np, K, P]
+// (panel p holds columns p*P .. p*P+P-1 of the [K, n] weight, row after row, zero-padded past
+// n): G = 1 for a plain matmul, the experts for a MoE layer's batched one. At a few rows a
 // matmul is a stream over its weight; the panels make that stream contiguous. Each panel's
 // K x P block is read once for all rows (in blocks of kRows rows, accumulated in registers),
 // the next rows prefetched kAhead rows ahead; panels are handed out to the calling thread and
@@ -36,19 +37,21 @@ struct Call {
   const float* x;
   const float* w;
   float* y;
-  int64_t M, K, N, panels;
+  int64_t G, M, K, N, panels;  // panels per group
 };
 
-// Rows r0 .. r0+R-1 of the output's columns of panel p.
+// Rows r0 .. r0+R-1 of the output's columns of panel p (of all groups' panels, group-major).
 template <int R>
 void Block(const Call& c, int64_t p, int64_t r0) {
+  const int64_t g = p / c.panels;
+  p -= g * c.panels;
   Vec acc[R][kVecs];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < kVecs; ++v) acc[r][v] = Vec{};
-  const float* panel = c.w + p * c.K * kPanel;
-  const float* x = c.x + r0 * c.K;
+  const float* panel = c.w + (g * c.panels + p) * c.K * kPanel;
+  const float* x = c.x + (g * c.M + r0) * c.K;
   for (int64_t k = 0; k < c.K; ++k) {
     const float* row = panel + k * kPanel;
     __builtin_prefetch(row + kAhead * kPanel);
@@ -65,7 +68,7 @@ void Block(const Call& c, int64_t p, int64_t r0) {
   }
   const int64_t n0 = p * kPanel, cols = std::min<int64_t>(kPanel, c.N - n0);
   for (int r = 0; r < R; ++r) {
-    float* out = c.y + (r0 + r) * c.N + n0;
+    float* out = c.y + (g * c.M + r0 + r) * c.N + n0;
     for (int v = 0; v < kVecs; ++v) {
       const Vec a = acc[r][v];
       if (16 * v + 16 <= cols) {
@@ -99,9 +102,10 @@ struct Work {
   std::condition_variable cv;
 
   void Run() {
-    for (int64_t p; (p = next.fetch_add(1)) < call.panels;) {
+    const int64_t total = call.G * call.panels;
+    for (int64_t p; (p = next.fetch_add(1)) < total;) {
       Panel(call, p);
-      if (done.fetch_add(1) + 1 == call.panels) {
+      if (done.fetch_add(1) + 1 == total) {
         std::lock_guard<std::mutex> lock(mu);
         cv.notify_all();
       }
@@ -112,29 +116,30 @@ struct Work {
 ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                         ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("skinny_matmul_cpu: x must be [M, K], w [Np, K, P]");
-  Call c{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], yd[1], wd[0]};
-  if (wd[1] != c.K || wd[2] != kPanel || yd[0] != c.M || c.N > c.panels * kPanel ||
-      c.N <= (c.panels - 1) * kPanel)
+  if (xd.size() != 3 || wd.size() != 4 || yd.size() != 3)
+    return ffi::Error::InvalidArgument("skinny_matmul_cpu: x must be [G, M, K], w [G, Np, K, P]");
+  Call c{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], xd[2], yd[2], wd[1]};
+  if (wd[0] != c.G || yd[0] != c.G || wd[2] != c.K || wd[3] != kPanel || yd[1] != c.M ||
+      c.N > c.panels * kPanel || c.N <= (c.panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("skinny_matmul_cpu: operand shapes differ from the contract");
-  if (c.M == 0 || c.N == 0) return ffi::Error::Success();
+  if (c.G == 0 || c.M == 0 || c.N == 0) return ffi::Error::Success();
   if (c.K == 0) {
-    std::fill(c.y, c.y + c.M * c.N, 0.0f);
+    std::fill(c.y, c.y + c.G * c.M * c.N, 0.0f);
     return ffi::Error::Success();
   }
-  const int64_t bytes = c.panels * c.K * kPanel * int64_t(sizeof(float));
-  if (bytes < kThreadBytes || pool.num_threads() < 2 || c.panels < 2) {
-    for (int64_t p = 0; p < c.panels; ++p) Panel(c, p);
+  const int64_t total = c.G * c.panels;
+  const int64_t bytes = total * c.K * kPanel * int64_t(sizeof(float));
+  if (bytes < kThreadBytes || pool.num_threads() < 2 || total < 2) {
+    for (int64_t p = 0; p < total; ++p) Panel(c, p);
     return ffi::Error::Success();
   }
   auto work = std::make_shared<Work>();
   work->call = c;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), c.panels) - 1;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
   work->Run();
   std::unique_lock<std::mutex> lock(work->mu);
-  work->cv.wait(lock, [&] { return work->done.load() == work->call.panels; });
+  work->cv.wait(lock, [&] { return work->done.load() == total; });
   return ffi::Error::Success();
 }
 
@@ -143,6 +148,6 @@ ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AgentrlSkinnyMatmulCpu, SkinnyMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [Np, K, P]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [G, M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [G, Np, K, P]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [G, M, N]

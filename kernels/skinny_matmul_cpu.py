@@ -9,8 +9,9 @@ the weight out once as column panels [ceil(N / P), K, P] (``PANEL`` columns each
 so each panel is one contiguous run; the kernel reads each panel once for all rows, prefetching
 ahead, with the panels spread over XLA's intra-op threads.
 
-``skinny_matmul(x [..., K] f32, packed, n) -> [..., n] f32``; ``skinny_matmul_reference`` is the
-same product in jnp. Products are float32 sums over k in order (with fused multiply-adds), so
+``skinny_matmul(x [..., K] f32, packed, n) -> [..., n] f32`` (or x [G, M, K] against G packed
+weights [G, Np, K, P]: a MoE layer's experts); ``skinny_matmul_reference`` is the same product in
+jnp. Products are float32 sums over k in order (with fused multiply-adds), so
 they differ from XLA's matmul in the last bits, not more. The kernel is built on first use
 (``native``); :func:`available` says whether it is, :func:`unavailable_reason` why not. It has
 no SPMD partitioning rule and no gradient: the one-row decode's fast path calls it
@@ -75,22 +76,33 @@ def unpack(packed: jax.Array, n: int) -> jax.Array:
 
 
 def _check(x: jax.Array, packed: jax.Array, n: int) -> None:
-    if packed.ndim != 3 or packed.shape[2] != PANEL or x.shape[-1:] != packed.shape[1:2]:
-        raise ValueError(f"x must be [..., K] and packed [Np, K, {PANEL}] (``pack``); got "
-                         f"{x.shape=} {packed.shape=}")  # fmt: skip
-    if not (packed.shape[0] - 1) * PANEL < n <= packed.shape[0] * PANEL:
-        raise ValueError(f"n={n} columns do not fill {packed.shape[0]} panels of {PANEL}")
+    grouped = packed.ndim == 4
+    if (
+        packed.ndim not in (3, 4)
+        or packed.shape[-1] != PANEL
+        or x.shape[-1:] != packed.shape[-2:-1]
+        or (grouped and (x.ndim != 3 or x.shape[0] != packed.shape[0]))
+    ):
+        raise ValueError(f"x must be [..., K] and packed [Np, K, {PANEL}], or x [G, M, K] and "
+                         f"packed [G, Np, K, {PANEL}] (``pack``); got {x.shape=} "
+                         f"{packed.shape=}")  # fmt: skip
+    panels = packed.shape[-3]
+    if not (panels - 1) * PANEL < n <= panels * PANEL:
+        raise ValueError(f"n={n} columns do not fill {panels} panels of {PANEL}")
 
 
 def skinny_matmul_reference(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
-    """``x [..., K] @ unpack(packed, n)`` in float32 (jnp, HIGHEST precision)."""
+    """``x @ unpack(packed, n)`` in float32 (jnp, HIGHEST precision): [..., K] rows against one
+    weight, or [G, M, K] against G weights."""
     _check(x, packed, n)
     w = unpack(packed, n).astype(jnp.float32)
     return jnp.matmul(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
 
 
 def skinny_matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
-    """``x [..., K] @ W`` for ``packed = pack(W)`` ([K, n]), float32, through the C++ kernel.
+    """``x @ W`` for ``packed = pack(W)``, float32, through the C++ kernel: x [..., K] against
+    one weight W [K, n] (packed [Np, K, P]) -> [..., n], or x [G, M, K] against G weights
+    W [G, K, n] (packed [G, Np, K, P], a MoE layer's experts) -> [G, M, n].
 
     Raises:
       RuntimeError: the kernel is not available (the reason: no compiler, a failed build).
@@ -102,8 +114,10 @@ def skinny_matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
     _check(x, packed, n)
     if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
         raise ValueError(f"skinny_matmul takes float32; got {x.dtype=} {packed.dtype=}")
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, x.shape[-1])
-    out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
-    y = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(rows, packed)
-    return y.reshape(*lead, n)
+    if packed.ndim == 4:
+        rows, panels = x, packed
+    else:
+        rows, panels = x.reshape(1, -1, x.shape[-1]), packed[None]
+    out = jax.ShapeDtypeStruct((*rows.shape[:2], n), jnp.float32)
+    y = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(rows, panels)
+    return y if packed.ndim == 4 else y.reshape(*x.shape[:-1], n)

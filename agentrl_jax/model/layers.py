@@ -7,6 +7,7 @@ fp32 statistics of the norm and the fp32 logits the policy requires.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -38,6 +39,21 @@ def packed_matmul(subscripts: str, x: jax.Array, packed: jax.Array, w_shape: tup
     rows = x.reshape(*x.shape[:n_b], -1).astype(jnp.float32)
     y = skinny_matmul(rows, packed, math.prod(w_shape[n_c:]))
     return y.reshape(*x.shape[:n_b], *w_shape[n_c:])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedExperts:
+    """A MoE layer's expert weights [E, K, n] as ``skinny_matmul_cpu.pack`` laid them out
+    (``panels`` [E, Np, K, P], ``transformer.pack_weights``), handed to the expert matmuls in
+    place of the weight (``expert_matmul.expert_einsum``). ``shape`` is the weight's."""
+
+    panels: jax.Array
+    n: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.panels.shape[0], self.panels.shape[2], self.n)
 
 
 def einsum_or_packed(

@@ -55,7 +55,7 @@ from agentrl_jax.model.experts import (  # noqa: F401 - route and the references
     moe_reference,
     route,
 )
-from agentrl_jax.model.layers import einsum_or_packed
+from agentrl_jax.model.layers import PACKED, PackedExperts, einsum_or_packed
 from agentrl_jax.precision import DTypePolicy
 
 TOKEN_AXES = ("data", "fsdp", "expert")  # mesh axes tokens are split over inside the dispatch
@@ -373,6 +373,12 @@ class MoE(nn.Module):
             )
             y, keep = fn(xf.astype(pol.compute), routes, gates, vf, *weights)
         else:
+            if self.has_variable("params", "w_gate" + PACKED):  # ``transformer.pack_weights``
+                packed = {n: self.get_variable("params", n + PACKED) for n in ("w_gate", "w_up",
+                                                                             "w_down")}  # fmt: skip
+                weights = (PackedExperts(packed["w_gate"], cfg.d_expert),
+                           PackedExperts(packed["w_up"], cfg.d_expert),
+                           PackedExperts(packed["w_down"], dm), *biases)  # fmt: skip
             y, keep = dispatch_combine(
                 xf.astype(pol.compute), routes, gates, vf, *weights,
                 capacity=cfg.capacity(n), policy=pol, cfg=cfg, small_first=self.small_first,

@@ -502,19 +502,21 @@ def transpose_head(params: dict) -> dict:
 PACKABLE = {
     "attn": {"wq": (3, 1), "wk": (3, 1), "wv": (3, 1), "wo": (3, 2)},
     "mlp": {"w_gate_up": (2, 1), "w_gate": (2, 1), "w_up": (2, 1), "w_down": (2, 1)},
+    "moe": {"w_gate": (2, 1), "w_up": (2, 1), "w_down": (2, 1)},  # [E, K, n]: E packed apart
 }
 
 
 def pack_weights(params: dict, cfg: ModelConfig) -> dict:
     """Parameters for a one-row decode that runs its weight matmuls through the skinny-matmul
-    kernel (``kernels.skinny_matmul_cpu``): each attention projection and dense MLP weight gets
-    ``<name>_packed`` beside it (its [contract, out] view as column panels, leading stacked
-    axes kept), and ``embed`` gets ``head_packed``, the LM head's [D, V] weight as it multiplies
-    (a tied table transposed and scaled as ``Embedder.decode`` scales it, or ``unembed``); the
-    modules use those where present (``layers.einsum_or_packed``). MoE experts and the router
-    keep XLA's matmuls. The sampler packs once per decode call, on the CPU backend under
-    float32 policies, where the kernel streams a weight about twice as fast as XLA's matmul at a
-    few rows (docs/results.md); the products differ from XLA's in the last bits."""
+    kernel (``kernels.skinny_matmul_cpu``): each attention projection, dense MLP and MoE expert
+    weight gets ``<name>_packed`` beside it (its [contract, out] view as column panels, leading
+    stacked and expert axes kept), and ``embed`` gets ``head_packed``, the LM head's [D, V]
+    weight as it multiplies (a tied table transposed and scaled as ``Embedder.decode`` scales
+    it, or ``unembed``); the modules use those where present (``layers.einsum_or_packed``,
+    ``layers.PackedExperts``; a MoE layer on a mesh keeps XLA's). The router keeps XLA's matmul.
+    The sampler packs once per decode call, on the CPU backend under float32 policies, where
+    the kernel streams a weight about twice as fast as XLA's matmul at a few rows
+    (docs/results.md); the products differ from XLA's in the last bits."""
 
     def pack_as(w, rank, n_c):
         lead = w.shape[: w.ndim - rank]

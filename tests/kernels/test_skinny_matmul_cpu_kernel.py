@@ -69,6 +69,23 @@ def test_leading_axes_vmap_and_loops():
 
 
 @needs_kernel
+@pytest.mark.parametrize("g,m,k,n", [(8, 4, 256, 384), (3, 1, 40, 70), (2, 13, 64, 32)])
+def test_grouped_matmul_matches_the_reference(g, m, k, n):
+    """G weights (a MoE layer's experts) against G row blocks in one call."""
+    kx, kw = jax.random.split(jax.random.key(g * 100 + m))
+    x = jax.random.normal(kx, (g, m, k))
+    w = jax.random.normal(kw, (g, k, n))
+    packed = sk.pack(w)
+    assert packed.shape == (g, -(-n // sk.PANEL), k, sk.PANEL)
+    got = jax.jit(sk.skinny_matmul, static_argnums=2)(x, packed, n)
+    assert got.shape == (g, m, n)
+    _close(got, sk.skinny_matmul_reference(x, packed, n))
+    _close(got, jnp.einsum("gmk,gkn->gmn", x, w, precision="highest"))
+    with pytest.raises(ValueError, match=r"x \[G, M, K\]"):
+        sk.skinny_matmul(x[:-1], packed, n)
+
+
+@needs_kernel
 def test_bad_inputs_are_refused():
     x = jax.random.normal(jax.random.key(5), (4, 16))
     packed = sk.pack(jax.random.normal(jax.random.key(6), (16, 40)))

@@ -115,11 +115,11 @@ NATIVE_LOGPROBS = {
     (
         "fast_kernel_twins_pool",
         False,
-    ): "261214bbce88295046c6343f6b066866a1c6190348440f21a44a9b55a9bfbed9",
+    ): "5c57898f656121fed6f08081ae91eba341afaef44ff8691f1ccda4aa60b021f4",
     (
         "fast_kernel_twins_pool",
         True,
-    ): "53e84ea304cd569d9f1201b2eac860ffe0d4eb7f1227cc1ec2b6d84e6ececebb",
+    ): "82b338d6bf2519069b89776fc19962ab1ee0534ea234a4f90cc3bac669479c1a",
 }
 
 

@@ -127,11 +127,12 @@ def test_transpose_head_adds_the_tied_table_transposed(scaled):
 @pytest.mark.skipif(not skinny_matmul_cpu.available(), reason="no skinny-matmul kernel")
 @pytest.mark.parametrize("scaled,tied", [(True, True), (False, True), (True, False)])
 def test_pack_weights_packs_the_decode_matmuls(scaled, tied):
-    """Every attention projection and dense MLP weight gets ``<name>_packed`` (its [contract,
-    out] view, stacked groups kept), the head ``head_packed`` (the tied table transposed and
-    scaled as the head scales it, or ``unembed``); MoE experts untouched. One decode row with a
+    """Every attention projection, dense MLP and MoE expert weight gets ``<name>_packed`` (its
+    [contract, out] view, stacked groups and experts kept), the head ``head_packed`` (the tied
+    table transposed and scaled as the head scales it, or ``unembed``). One decode row with a
     cache from the packed tree: logits close to the plain tree's, and the modules read the
-    packed copies (doubling the head's doubles the logits)."""
+    packed copies (doubling the head's doubles the logits; zeroing layer 0's expert down
+    projection changes them)."""
     cfg = ModelConfig(
         vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
         layer_pattern="SD", window=8, d_ff=48, init_std=0.3, scaled_embeddings=scaled,
@@ -156,20 +157,19 @@ def test_pack_weights_packs_the_decode_matmuls(scaled, tied):
     head = embed["unembed"] if not tied else embed["table"].T * (32**-0.5 if scaled else 1.0)
     np.testing.assert_allclose(unpack(packed["params"]["embed"]["head_packed"], 64), head,
                                rtol=1e-7, atol=0)  # fmt: skip
-    moe_cfg = cfg.replace(n_experts=4, experts_per_token=2, d_expert=16)
-    moe_params = init_params(Transformer(moe_cfg, pol), jax.random.key(4))
-    moe_layer = pack_weights(moe_params, moe_cfg)["params"]["groups"]["layer_0"]
-    assert moe_layer["moe"].keys() == moe_params["params"]["groups"]["layer_0"]["moe"].keys()
-
     b = 3
     toks = jax.random.randint(jax.random.key(5), (b, 9), 0, 64)
 
-    @jax.jit
-    def step(params):
-        cache = init_cache(cfg, pol, CacheSpec(b, 32, page_size=8))
-        _, cache, _ = model.apply(params, toks, cache=cache)
-        return model.apply(params, toks[:, :1], cache=cache)[0]
+    def stepper(model, cfg):
+        @jax.jit
+        def step(params):
+            cache = init_cache(cfg, pol, CacheSpec(b, 32, page_size=8))
+            _, cache, _ = model.apply(params, toks, cache=cache)
+            return model.apply(params, toks[:, :1], cache=cache)[0]
 
+        return step
+
+    step = stepper(model, cfg)
     want = step(params)
     assert float(jnp.std(want)) > 0.1
     np.testing.assert_allclose(step(packed), want, rtol=0, atol=1e-5)
@@ -177,6 +177,27 @@ def test_pack_weights_packs_the_decode_matmuls(scaled, tied):
     embed["head_packed"] = 2 * embed["head_packed"]
     doubled = {**packed, "params": {**packed["params"], "embed": embed}}
     np.testing.assert_allclose(step(doubled), 2 * want, rtol=0, atol=2e-5)
+
+    # MoE: the experts [G, E, K, n] packed per expert; the router left to XLA
+    moe_cfg = cfg.replace(n_experts=4, experts_per_token=2, d_expert=16)
+    moe_model = Transformer(moe_cfg, pol, decode_kernel=True)
+    moe_params = init_params(moe_model, jax.random.key(4))
+    moe_packed = pack_weights(moe_params, moe_cfg)
+    got, plain = (p["params"]["groups"]["layer_0"]["moe"] for p in (moe_packed, moe_params))
+    assert sorted(got) == sorted([*plain, "w_gate_packed", "w_up_packed", "w_down_packed"])
+    for name in ("w_gate", "w_up", "w_down"):
+        w = plain[name]  # [G, E, K, n]
+        assert got[name + "_packed"].shape[:2] == w.shape[:2]
+        np.testing.assert_array_equal(unpack(got[name + "_packed"], w.shape[-1]), w)
+    moe_step = stepper(moe_model, moe_cfg)
+    want = moe_step(moe_params)
+    assert float(jnp.std(want)) > 0.1
+    np.testing.assert_allclose(moe_step(moe_packed), want, rtol=0, atol=1e-5)
+    layer = moe_packed["params"]["groups"]["layer_0"]
+    zeroed = {**layer, "moe": {**layer["moe"], "w_down_packed": 0 * got["w_down_packed"]}}
+    zeroed = {**moe_packed, "params": {**moe_packed["params"], "groups": {
+        **moe_packed["params"]["groups"], "layer_0": zeroed}}}  # fmt: skip
+    assert float(jnp.max(jnp.abs(moe_step(zeroed) - want))) > 1e-2  # the experts read the copy
 
 
 def test_decode_joins_weights_except_on_a_multi_device_mesh(monkeypatch, fp32_model):
