@@ -79,12 +79,14 @@ REPS_FLAGS: dict[str, tuple[str, ...]] = {
     "decode_impls": ("--reps",),
     "decode_profile": ("--reps",),
     "update_profile": ("--reps",),
+    "rollout_ab": ("--reps",),
     "rollout_baseline": ("--reps",),
     "update_baseline": ("--reps",),
 }
 BASELINES: dict[str, list[str]] = {"rollout_baseline": [], "update_baseline": ["--reps", "3"]}
-# Scripts too long for the default run (tens of minutes each): run only when named in --only.
-LONG: dict[str, list[str]] = {"async_rl": []}
+# Scripts run only when named in --only: too long for the default run (async_rl, tens of
+# minutes), or an A/B of one fast-path switch (rollout_ab).
+LONG: dict[str, list[str]] = {"async_rl": [], "rollout_ab": ["--switch", "PACK_WEIGHTS"]}
 
 # Columns of each benchmark's table, "key=header" (header = key when left out), "; "-separated;
 # "bench:variant" keys give a benchmark one table per variant. Every table ends with the load.
@@ -163,7 +165,12 @@ COLUMNS: dict[str, str] = {
         "variant; step_us=step us; prefill_ms=prefill ms; decode_share=decode share; "
         "attention_us=attention us; ffn_us=FFN us; lm_head_us=LM head us; "
         "sampling_us=sampling us; other_us=other us; ops_over_wall=ops / wall; "
-        "paged_decode_impl=paged decode"
+        "paged_decode_impl=paged decode; weight_mb=weights MB; kv_mb_per_step=KV MB/step; "
+        "stream_gb_per_s=read GB/s; floor_us=floor us; step_over_floor=step / floor"
+    ),
+    "rollout_ab": (
+        "variant; off_ms=off ms; on_ms=on ms; ratio=on / off; on_ms_min=on min; "
+        "on_ms_max=on max; off_ms_min=off min; off_ms_max=off max; same_tokens=same tokens; reps"
     ),
     "update_profile": (
         "variant; step_ms=step ms; attention_fwd_ms=attention fwd; attention_bwd_ms=attention bwd; "
