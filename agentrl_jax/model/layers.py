@@ -65,7 +65,8 @@ def einsum_or_packed(
     another order, so the last bits differ)."""
     if not module.has_variable("params", name + PACKED):
         return policy.einsum(subscripts, x, w)
-    return packed_matmul(subscripts, x, module.get_variable("params", name + PACKED), w.shape)
+    packed = module.get_variable("params", name + PACKED)
+    return packed_matmul(subscripts, x, packed, w.shape).astype(policy.compute)
 
 
 class RMSNorm(nn.Module):

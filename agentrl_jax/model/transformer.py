@@ -516,12 +516,14 @@ def pack_weights(params: dict, cfg: ModelConfig) -> dict:
     ``layers.PackedExperts``; a MoE layer on a mesh keeps XLA's). The router keeps XLA's matmul.
     The sampler packs once per decode call, on the CPU backend under float32 policies, where
     the kernel streams a weight about twice as fast as XLA's matmul at a few rows
-    (docs/results.md); the products differ from XLA's in the last bits."""
+    (docs/results.md); the products differ from XLA's in the last bits. The packed copies are
+    float32 (the weights as a float32 policy multiplies them, whatever their stored dtype) and
+    live beside the weights for the call: the weights' memory twice over."""
 
     def pack_as(w, rank, n_c):
         lead = w.shape[: w.ndim - rank]
         k = math.prod(w.shape[len(lead) : len(lead) + n_c])
-        return skinny_matmul_cpu.pack(w.reshape(*lead, k, -1))
+        return skinny_matmul_cpu.pack(w.reshape(*lead, k, -1).astype(jnp.float32))
 
     def walk(tree, name=None):
         if not isinstance(tree, dict):
@@ -538,6 +540,8 @@ def pack_weights(params: dict, cfg: ModelConfig) -> dict:
     if "unembed" in embed:
         head = embed["unembed"]
     else:
+        # scaled in the stored dtype, as ``Embedder.decode`` writes it (for bf16-stored tables
+        # a jitted head may skip that product's rounding to bf16: XLA drops the round trip)
         head = embed["table"].T
         if cfg.scaled_embeddings:
             head = head * (1.0 / jnp.sqrt(float(cfg.d_model)))

@@ -332,3 +332,31 @@ def test_kernel_decode_with_int8_pool_and_eviction_matches_chunk_path(fast_model
     ker, ref = outs
     np.testing.assert_array_equal(ker.tokens, ref.tokens)
     np.testing.assert_allclose(ker.logprobs, ref.logprobs, atol=ATOL)
+
+
+@pytest.mark.skipif(not skinny_matmul_cpu.available(), reason="no skinny-matmul kernel")
+def test_pack_weights_packs_bf16_stored_weights_as_float32():
+    """A float32 policy over bf16-stored weights multiplies them as float32: so do the packed
+    copies. The head's is the table scaled in bf16, as ``Embedder.decode`` writes it (jitted,
+    XLA may leave that product unrounded, so the logits are compared without it)."""
+    cfg = ModelConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+        layer_pattern="DD", d_ff=48, init_std=0.3,
+    )  # fmt: skip
+    pol = get_policy("fp32", param_dtype="bfloat16")
+    model = Transformer(cfg, pol, decode_kernel=True)
+    params = init_params(model, jax.random.key(11))
+    packed = pack_weights(params, cfg)
+    mlp = packed["params"]["groups"]["layer_0"]["mlp"]
+    assert params["params"]["groups"]["layer_0"]["mlp"]["w_down"].dtype == jnp.bfloat16
+    assert mlp["w_down_packed"].dtype == jnp.float32
+    table = params["params"]["embed"]["table"]
+    head = packed["params"]["embed"]["head_packed"]
+    assert head.dtype == jnp.float32
+    want = (table.T * (1.0 / jnp.sqrt(32.0))).astype(jnp.float32)
+    np.testing.assert_array_equal(skinny_matmul_cpu.unpack(head, 64), want)
+    embed = {k: v for k, v in packed["params"]["embed"].items() if k != "head_packed"}
+    body = {**packed, "params": {**packed["params"], "embed": embed}}
+    toks = jax.random.randint(jax.random.key(12), (2, 5), 0, 64)
+    logits = jax.jit(lambda p: model.apply(p, toks)[0])
+    np.testing.assert_allclose(logits(body), logits(params), rtol=0, atol=1e-5)
