@@ -15,7 +15,7 @@ jnp. Products are float32 sums over k in order (with fused multiply-adds), so
 they differ from XLA's matmul in the last bits, not more. The kernel is built on first use
 (``native``); :func:`available` says whether it is, :func:`unavailable_reason` why not. It has
 no SPMD partitioning rule and no gradient: the one-row decode's fast path calls it
-(``transformer.pack_weights``), only on the CPU backend, not on a multi-device mesh.
+(``decode_params.pack_weights``), only on the CPU backend, not on a multi-device mesh.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def packed_matmul(subscripts: str, x: jax.Array, packed: jax.Array, w_shape: tup
 @dataclasses.dataclass(frozen=True)
 class PackedExperts:
     """A MoE layer's expert weights [E, K, n] as ``skinny_matmul_cpu.pack`` laid them out
-    (``panels`` [E, Np, K, P], ``transformer.pack_weights``), handed to the expert matmuls in
+    (``panels`` [E, Np, K, P], ``decode_params.pack_weights``), handed to the expert matmuls in
     place of the weight (``expert_matmul.expert_einsum``). ``shape`` is the weight's."""
 
     panels: jax.Array
@@ -60,7 +60,7 @@ def einsum_or_packed(
     module: nn.Module, name: str, subscripts: str, x: jax.Array, w: jax.Array, policy: DTypePolicy
 ) -> jax.Array:
     """``policy.einsum(subscripts, x, w)`` for ``module``'s weight ``name``, or, where the
-    one-row decode packed it (``transformer.pack_weights``: ``<name>_packed`` beside it), the
+    one-row decode packed it (``decode_params.pack_weights``: ``<name>_packed`` beside it), the
     same product through the skinny-matmul kernel (float32 policies only; its sums run in
     another order, so the last bits differ)."""
     if not module.has_variable("params", name + PACKED):
@@ -133,12 +133,12 @@ class Embedder(nn.Module):
 
     def decode(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> logits float32 [B, T, V]."""
-        if self.has_variable("params", "head" + PACKED):  # ``transformer.pack_weights``
+        if self.has_variable("params", "head" + PACKED):  # ``decode_params.pack_weights``
             d, v = self.cfg.d_model, self.cfg.vocab_size
             head = self.get_variable("params", "head" + PACKED)
             return packed_matmul("BTD,DV->BTV", x, head, (d, v)).astype(self.policy.logits)
         if self.cfg.tie_embeddings:
-            # The table transposed once per decode call (``transformer.transpose_head``) where
+            # The table transposed once per decode call (``decode_params.transpose_head``) where
             # present: the same products, a faster matmul at a few rows.
             transposed = self.has_variable("params", "table_t")
             w = self.get_variable("params", "table_t") if transposed else self.table

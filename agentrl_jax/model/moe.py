@@ -73,7 +73,7 @@ class MLP(nn.Module):
     """Dense SwiGLU feed-forward ``D -> cfg.d_ff -> D`` (used when ``cfg.n_experts == 0``).
 
     ``__call__(x [B, T, D] compute dtype) -> [B, T, D]`` compute dtype. Parameters from
-    ``transformer.fuse_projections`` hold ``w_gate_up`` [D, 2F] in place of ``w_gate`` and
+    ``decode_params.fuse_projections`` hold ``w_gate_up`` [D, 2F] in place of ``w_gate`` and
     ``w_up``: then the two projections are one matmul.
     """
 
@@ -373,7 +373,7 @@ class MoE(nn.Module):
             )
             y, keep = fn(xf.astype(pol.compute), routes, gates, vf, *weights)
         else:
-            if self.has_variable("params", "w_gate" + PACKED):  # ``transformer.pack_weights``
+            if self.has_variable("params", "w_gate" + PACKED):  # ``decode_params.pack_weights``
                 packed = {n: self.get_variable("params", n + PACKED) for n in ("w_gate", "w_up",
                                                                              "w_down")}  # fmt: skip
                 weights = (PackedExperts(packed["w_gate"], cfg.d_expert),

@@ -57,17 +57,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentrl_jax.kernels import on_multi_device_mesh, skinny_matmul_cpu
+from agentrl_jax.kernels import on_multi_device_mesh
 from agentrl_jax.model.chunked import NEVER, fixed_order_logprobs
-from agentrl_jax.model.transformer import (
-    CacheSpec,
-    Transformer,
+from agentrl_jax.model.decode_params import (
+    can_pack,
     fuse_projections,
-    init_cache,
     pack_weights,
     transpose_head,
     unstack_groups,
 )
+from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache
 from agentrl_jax.rollout import slots, threefry
 from agentrl_jax.rollout.cache_sharding import place_decode_state
 from agentrl_jax.rollout.rollout_config import RolloutConfig  # noqa: F401 - re-exported
@@ -247,19 +246,9 @@ class Sampler:
         self.decode = jax.jit(self._decode, donate_argnums=1)
 
     def packs_weights(self) -> bool:
-        """Whether the one-row decode runs its weight matmuls through the skinny-matmul kernel
-        (``PACK_WEIGHTS``): on the CPU backend, float32 compute and accumulation, no fp8, no
-        multi-device mesh, the kernel built. Read at trace time."""
-        pol = self.model.policy
-        return (
-            PACK_WEIGHTS
-            and jax.default_backend() == "cpu"
-            and pol.compute == jnp.float32
-            and pol.accum == jnp.float32
-            and not pol.fp8_matmul
-            and not on_multi_device_mesh()
-            and skinny_matmul_cpu.available()
-        )
+        """Whether the one-row decode packs its weights for the skinny-matmul kernel:
+        ``PACK_WEIGHTS`` and ``decode_params.can_pack`` (read at trace time)."""
+        return PACK_WEIGHTS and can_pack(self.model.policy)
 
     # State ----------------------------------------------------------------------------------
     def init_state(

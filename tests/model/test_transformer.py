@@ -9,6 +9,7 @@ import pytest
 
 from agentrl_jax.model.attention import masked_attention, select_blocks, sparse_coverage
 from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.decode_params import unstack_groups
 from agentrl_jax.model.transformer import (
     CacheSpec,
     Transformer,
@@ -16,7 +17,6 @@ from agentrl_jax.model.transformer import (
     init_cache,
     init_params,
     token_logprobs,
-    unstack_groups,
 )
 from agentrl_jax.precision import get_policy
 

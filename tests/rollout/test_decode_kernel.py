@@ -11,14 +11,12 @@ from test_agent_loop import play
 from agentrl_jax import kernels
 from agentrl_jax.model.attention import over_live_pages, page_buckets
 from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.decode_params import fuse_projections, pack_weights, transpose_head
 from agentrl_jax.model.transformer import (
     CacheSpec,
     Transformer,
-    fuse_projections,
     init_cache,
     init_params,
-    pack_weights,
-    transpose_head,
 )
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rollout import sampler as sampler_mod
