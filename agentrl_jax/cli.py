@@ -12,6 +12,7 @@ parsed ``argparse.Namespace``, so a missing piece only disables its own subcomma
     agentrl bench rollout -- --fast      (runs benchmarks/rollout.py with this Python)
     agentrl report runs/default-20250101-120000
     agentrl convert path/to/Qwen3-0.6B runs/qwen3      (an HF directory -> a run directory)
+    agentrl convert model.gguf models/smollm2          (a GGUF file -> an HF directory)
     agentrl export runs/qwen3 path/to/exported         (a checkpoint -> an HF directory)
 
 Exit codes: what ``run_from_cli`` returns (``None`` -> 0); 2 for usage errors, a subcommand that
@@ -187,10 +188,20 @@ def _add_report(sub) -> None:
 
 def _add_convert(sub) -> None:
     """The ``convert`` subcommand and its arguments."""
-    p = sub.add_parser("convert", help="Hugging Face directory -> run directory (checkpoint)")
-    p.add_argument("hf_dir")
-    p.add_argument("run_dir")
-    p.add_argument("--policy", default="fp32", help="dtype policy preset of the parameters")
+    p = sub.add_parser(
+        "convert",
+        help="Hugging Face directory -> run directory (checkpoint); .gguf file -> HF directory",
+    )
+    p.add_argument("hf_dir", metavar="SOURCE", help="an HF directory or a .gguf file")
+    p.add_argument(
+        "run_dir",
+        metavar="OUT_DIR",
+        help="from an HF directory: the run directory to write; from a .gguf file: the HF "
+        "directory it becomes (must not exist or be empty)",
+    )
+    p.add_argument(
+        "--policy", default="fp32", help="dtype policy preset of the parameters (HF directory)"
+    )
 
 
 def _add_export(sub) -> None:

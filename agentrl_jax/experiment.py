@@ -111,7 +111,7 @@ def build(cfg: ConfigDict) -> Sections:
         have; process weights the environment does not emit; an evaluation level the
         environment does not have; option combinations that cannot run together.
     """
-    init = to_dataclass(cfg.init, InitConfig)
+    init = hf_training.resolve(to_dataclass(cfg.init, InitConfig))  # a .gguf: its HF directory
     env = get_env(cfg.env)
     model = to_dataclass(cfg.model, ModelConfig)
     if init.hf_path:

@@ -336,7 +336,8 @@ def _set(tree, path, value):
 
 
 def infer_family(cfg: ModelConfig) -> str:
-    """The HF family whose options ``cfg`` uses (sinks: gpt_oss; q/k norm: qwen3 / qwen3_moe).
+    """The HF family whose options ``cfg`` uses (sinks: gpt_oss; q/k norm: qwen3 / qwen3_moe;
+    neither, dense full attention with HF's embeddings and norms: llama).
 
     Raises:
       ValueError: a config of none of them.
@@ -345,7 +346,10 @@ def infer_family(cfg: ModelConfig) -> str:
         return "gpt_oss"
     if cfg.qk_norm and not cfg.scaled_embeddings:
         return "qwen3_moe" if cfg.is_moe else "qwen3"
-    raise ValueError("ModelConfig matches no HF family (qwen3, qwen3_moe, gpt_oss)")
+    plain = not (cfg.scaled_embeddings or cfg.norm_offset or cfg.attn_sinks or cfg.is_moe)
+    if plain and set(cfg.layer_pattern) == {"D"}:
+        return "llama"
+    raise ValueError("ModelConfig matches no HF family (llama, qwen3, qwen3_moe, gpt_oss)")
 
 
 def _hf_tensors(family: str, cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
@@ -394,7 +398,7 @@ def save_pretrained(
       path: output directory (created).
       cfg: the model config.
       params: ``{"params": ...}`` (or the inner tree).
-      family: 'qwen3' | 'qwen3_moe' | 'gpt_oss'; None infers it from ``cfg``.
+      family: 'llama' | 'qwen3' | 'qwen3_moe' | 'gpt_oss'; None infers it from ``cfg``.
       dtype: tensor dtype ('float32', 'bfloat16', 'float16'); None keeps the parameters'.
       max_shard_bytes: split into ``model-0000k-of-0000n.safetensors`` files of at most this
         many bytes plus ``model.safetensors.index.json``; None writes one file.

@@ -1,7 +1,13 @@
-"""``agentrl convert HF_DIR RUN_DIR`` and ``agentrl export CKPT HF_DIR``.
+"""``agentrl convert HF_DIR RUN_DIR``, ``agentrl convert FILE.gguf HF_DIR`` and
+``agentrl export CKPT HF_DIR``.
 
-``convert`` loads an HF directory (``load_pretrained``) and writes a run directory the trainer
-starts from:
+``convert`` of a ``.gguf`` file writes an HF directory, not a run directory (``hf.gguf``:
+``config.json``, float32 ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``
+with the chat template, ``generation_config.json``); OUT_DIR must not exist or be empty. That
+directory is an ``init.hf_path`` or the HF_DIR of a second ``convert`` into a run directory.
+
+``convert`` of an HF directory loads it (``load_pretrained``) and writes a run directory the
+trainer starts from:
 
     RUN_DIR/checkpoints/sft/0/     orbax checkpoint, item ``state`` = {params, rng, step} and a
                                    JSON item ``meta`` (the layout of ``train.checkpoint``), so
@@ -176,7 +182,12 @@ def export(ckpt: str, hf_dir: str, *, dtype: str | None = None, max_shard_bytes=
 
 def run_from_cli(args) -> int:
     """``agentrl convert`` / ``agentrl export`` (see ``agentrl_jax.cli``)."""
-    if args.command == "convert":
+    if args.command == "convert" and args.hf_dir.endswith(".gguf"):
+        from agentrl_jax.hf.gguf import gguf_to_hf
+
+        out = gguf_to_hf(args.hf_dir, args.run_dir)
+        print(json.dumps({"hf_dir": out, "source": os.path.abspath(args.hf_dir)}))
+    elif args.command == "convert":
         step = convert(args.hf_dir, args.run_dir, policy=args.policy)
         print(json.dumps({"checkpoint": step, "experiment": f"{args.run_dir}/experiment.py"}))
     else:

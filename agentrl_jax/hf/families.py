@@ -1,10 +1,11 @@
 """Hugging Face model families: ``config.json`` <-> ``ModelConfig`` and parameter-name maps.
 
-Families: Qwen3 (``Qwen3ForCausalLM``), Qwen3-MoE (``Qwen3MoeForCausalLM``) and gpt-oss
-(``GptOssForCausalLM``). Each is a :class:`ModelConfig` of the project's model with the family's
-options (``model.config``): unscaled embeddings, plain RMSNorm scales, q/k norms (Qwen3),
-attention biases, sinks, ungated sliding windows, YaRN RoPE, router and expert biases, top-k
-softmax routing and the clamped SwiGLU (gpt-oss).
+Families: Llama (``LlamaForCausalLM``: SmolLM2, Llama 2/3 without llama3 RoPE scaling), Qwen3
+(``Qwen3ForCausalLM``), Qwen3-MoE (``Qwen3MoeForCausalLM``) and gpt-oss (``GptOssForCausalLM``).
+Each is a :class:`ModelConfig` of the project's model with the family's options
+(``model.config``): unscaled embeddings, plain RMSNorm scales (all), q/k norms (Qwen3; Llama is
+Qwen3 without them), attention biases, sinks, ungated sliding windows, YaRN RoPE, router and
+expert biases, top-k softmax routing and the clamped SwiGLU (gpt-oss).
 
 Parameter map: our parameters are a scanned stack (``groups/layer_i/...`` with a leading axis
 of ``n_groups``); HF layer ``l`` is our group ``l // len(pattern)``, pattern position
@@ -134,6 +135,13 @@ def _common(hf: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
+def llama_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """ModelConfig of a Llama ``config.json`` (dense, full attention, no q/k norm)."""
+    if _get(hf, "mlp_bias", False):
+        raise ValueError("config.json mlp_bias=True is not supported for llama")
+    return ModelConfig(**_common(hf), d_ff=int(hf["intermediate_size"]))
+
+
 def qwen3_config(hf: Mapping[str, Any]) -> ModelConfig:
     """ModelConfig of a Qwen3 (dense) ``config.json``."""
     return ModelConfig(**_common(hf), d_ff=int(hf["intermediate_size"]), qk_norm=True)
@@ -218,7 +226,15 @@ def hf_config_json(family: str, cfg: ModelConfig) -> dict[str, Any]:
         "layer_types": [types[k] for k in cfg.layer_pattern * cfg.n_groups],
         "sliding_window": cfg.window if "S" in cfg.layer_pattern else None,
     }
-    if family == "qwen3":
+    if family == "llama":
+        if set(cfg.layer_pattern) != {"D"}:
+            raise ValueError(
+                f"layer_pattern={cfg.layer_pattern!r}: the llama family has dense full attention "
+                "layers ('D') only"
+            )
+        out.update(intermediate_size=cfg.d_ff, mlp_bias=False)
+        del out["layer_types"], out["sliding_window"]
+    elif family == "qwen3":
         out.update(intermediate_size=cfg.d_ff, use_sliding_window="S" in cfg.layer_pattern)
     elif family == "qwen3_moe":
         out.update(
@@ -337,6 +353,7 @@ class Family:
 
 
 FAMILIES = {
+    "llama": Family("llama", "LlamaForCausalLM", llama_config),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", qwen3_config),
     "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", qwen3_moe_config),
     "gpt_oss": Family("gpt_oss", "GptOssForCausalLM", gpt_oss_config),

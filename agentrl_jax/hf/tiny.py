@@ -1,7 +1,8 @@
 """Tiny random models of each HF family, built and saved by ``transformers`` itself.
 
 Tests, ``benchmarks/hf_parity.py`` and smoke experiments start from these: a few layers, GQA,
-several experts for the MoE families, sliding and full layers with sinks for gpt-oss. Every norm
+several experts for the MoE families, sliding and full layers with sinks for gpt-oss, SmolLM2's
+RoPE base for Llama. Every norm
 weight, bias and sink is perturbed away from its initial ones/zeros so that a wrong mapping of
 any tensor shows in the logits. Needs ``torch`` and ``transformers`` (the ``dev`` extras);
 they are imported only when a model is built.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-FAMILY_NAMES = ("qwen3", "qwen3_moe", "gpt_oss")
+FAMILY_NAMES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
 
 
 def tiny_hf_config(family: str, *, vocab_size: int = 256, **overrides: Any):
@@ -31,6 +32,10 @@ def tiny_hf_config(family: str, *, vocab_size: int = 256, **overrides: Any):
         head_dim=16,
         max_position_embeddings=512,
     )
+    if family == "llama":
+        rope = {"rope_type": "default", "rope_theta": 100000.0}
+        kw = dict(common, intermediate_size=96, tie_word_embeddings=True, rope_parameters=rope)
+        return transformers.LlamaConfig(**{**kw, **overrides})
     if family == "qwen3":
         kw = dict(common, intermediate_size=96, tie_word_embeddings=True)
         return transformers.Qwen3Config(**{**kw, **overrides})

@@ -11,8 +11,10 @@ Protocol ids (``envs.base.Tokenizer``) come from the family's tool-call format
 ``call_start_id`` / ``call_end_id`` bracket a call (``<tool_call>`` / ``</tool_call>``; harmony
 ``<|channel|>`` / ``<|call|>``), ``obs_start_id`` / ``obs_end_id`` bracket a tool result
 (``<tool_response>`` / ``</tool_response>``; harmony's message brackets ``<|start|>`` /
-``<|end|>``), ``eos_id`` / ``pad_id`` = ``<|endoftext|>``, ``bos_id`` = ``<|endoftext|>`` for
-Qwen (no BOS token) and ``<|startoftext|>`` for harmony, ``nl_id`` = the id of ``"\\n"``,
+``<|end|>``; ChatML without tool-call tokens (Llama chat models such as SmolLM2): the message
+brackets ``<|im_start|>`` / ``<|im_end|>`` for both), ``eos_id`` / ``pad_id`` =
+``<|endoftext|>``, ``bos_id`` = ``<|endoftext|>`` for ChatML (Qwen has no BOS token) and
+``<|startoftext|>`` for harmony, ``nl_id`` = the id of ``"\\n"``,
 ``unk_id`` = the model's unknown token or, for byte-level BPEs that have none, ``pad_id``.
 """
 
@@ -29,7 +31,7 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
-from agentrl_jax.hf.tool_calls import FORMATS, HarmonyToolCalls, QwenToolCalls
+from agentrl_jax.hf.tool_calls import FORMATS, ChatMLToolCalls, HarmonyToolCalls, QwenToolCalls
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -134,7 +136,8 @@ def load_tokenizer(path: str, fmt: QwenToolCalls | HarmonyToolCalls | None = Non
     Args:
       path: the directory.
       fmt: tool-call format; None picks it from ``config.json``'s ``model_type`` or, without
-        one, from the vocabulary (``<|call|>``: harmony, else Qwen's ChatML).
+        one, from the vocabulary (``<|call|>``: harmony; ``<|im_end|>`` without ``<tool_call>``:
+        ChatML with text tool calls; else Qwen's ChatML).
 
     Raises:
       FileNotFoundError: no ``tokenizer.json``.
@@ -158,8 +161,12 @@ def load_tokenizer(path: str, fmt: QwenToolCalls | HarmonyToolCalls | None = Non
                 model_type = json.load(f).get("model_type")
         if model_type in FORMATS:
             fmt = FORMATS[model_type]()
+        elif tok.token_to_id("<|call|>") is not None:
+            fmt = HarmonyToolCalls()
+        elif tok.token_to_id("<tool_call>") is None and tok.token_to_id("<|im_end|>") is not None:
+            fmt = ChatMLToolCalls()
         else:
-            fmt = HarmonyToolCalls() if tok.token_to_id("<|call|>") is not None else QwenToolCalls()
+            fmt = QwenToolCalls()
     names = ("bos_token", "eos_token", "pad_token", "unk_token")
     special = {n: _token_str(config.get(n)) for n in names if _token_str(config.get(n))}
     return HFTokenizer(tok, template, fmt, special)

@@ -3,6 +3,8 @@
   * :class:`QwenToolCalls` (Qwen3, ChatML): the assistant writes
     ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` and ends its turn with
     ``<|im_end|>``; tool results come back as ``<tool_response>`` blocks in a user turn.
+  * :class:`ChatMLToolCalls` (Llama chat models such as SmolLM2): the same blocks as plain text
+    in a vocabulary without tool-call tokens.
   * :class:`HarmonyToolCalls` (gpt-oss, OpenAI harmony): a call is an assistant message on the
     ``commentary`` channel addressed ``to=functions.NAME`` whose body is the JSON arguments,
     ended by ``<|call|>``; the result is a message from ``functions.NAME to=assistant``. The
@@ -99,6 +101,26 @@ class QwenToolCalls:
         return f"<tool_call>\n{call}\n</tool_call>{self.turn_close}"
 
 
+class ChatMLToolCalls(QwenToolCalls):
+    """Qwen's ``<tool_call>`` JSON blocks for a ChatML model whose vocabulary has no tool-call
+    tokens (Llama-architecture chat models such as SmolLM2): the blocks are plain text.
+
+    ``special_tokens``: the message brackets stand in for the call and observation brackets
+    (``call_start`` / ``obs_start`` = ``<|im_start|>``, ``call_end`` / ``obs_end`` = ``eot`` =
+    ``<|im_end|>``: a call ends its turn); ``eos`` / ``pad`` / ``bos`` = ``<|endoftext|>``.
+    """
+
+    name = "chatml"
+    special_tokens = {
+        **QwenToolCalls.special_tokens,
+        "call_start": "<|im_start|>",
+        "call_end": "<|im_end|>",
+        "obs_start": "<|im_start|>",
+        "obs_end": "<|im_end|>",
+    }
+    extra_tokens = ("<|im_start|>",)
+
+
 class HarmonyToolCalls:
     """gpt-oss harmony tool calls (module docstring).
 
@@ -146,7 +168,12 @@ class HarmonyToolCalls:
         return f"{header}<|message|>{body}<|call|>"
 
 
-FORMATS = {"qwen3": QwenToolCalls, "qwen3_moe": QwenToolCalls, "gpt_oss": HarmonyToolCalls}
+FORMATS = {
+    "llama": ChatMLToolCalls,
+    "qwen3": QwenToolCalls,
+    "qwen3_moe": QwenToolCalls,
+    "gpt_oss": HarmonyToolCalls,
+}
 
 _JSON_TYPES = {
     "string": str,

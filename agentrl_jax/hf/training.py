@@ -39,10 +39,26 @@ class InitConfig:
 
     Attributes:
       hf_path: a Hugging Face directory (``config.json``, ``*.safetensors``, ``tokenizer.json``
-        and a chat template); '' = the model section, trained from scratch or ``train.init_from``.
+        and a chat template) or a ``.gguf`` file (converted once into a cache folder:
+        ``hf.gguf.converted_dir``); '' = the model section, trained from scratch or
+        ``train.init_from``.
     """
 
     hf_path: str = ""
+
+
+def resolve(init: InitConfig) -> InitConfig:
+    """``init`` with a ``.gguf`` ``hf_path`` replaced by its converted HF directory (converted
+    on first use, reused after).
+
+    Raises:
+      FileNotFoundError: no such file; ValueError: a GGUF file the converter does not support.
+    """
+    if not init.hf_path.endswith(".gguf"):
+        return init
+    from agentrl_jax.hf.gguf import converted_dir
+
+    return dataclasses.replace(init, hf_path=converted_dir(init.hf_path))
 
 
 def model_config(hf_path: str, section: ModelConfig) -> ModelConfig:

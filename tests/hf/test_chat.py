@@ -19,7 +19,7 @@ from agentrl_jax.hf.tool_calls import (
     check_call,
 )
 
-FAMILIES = {"qwen": "qwen3", "harmony": "gpt_oss"}
+FAMILIES = {"qwen": "qwen3", "harmony": "gpt_oss", "chatml": "llama"}
 TASKS = [make_task(seed, 1) for seed in range(6)]
 
 
@@ -84,7 +84,10 @@ def test_protocol_ids_name_the_family_tokens(tokenizers):
     )
     assert harmony.token(harmony.call_end_id) == "<|call|>"
     assert harmony.token(harmony.eot_id) == "<|return|>"
-    for tok in (qwen, harmony):
+    chatml = tokenizers["chatml"][1]  # no tool-call tokens: a call ends its ChatML turn
+    assert chatml.fmt.name == "chatml" and chatml.tokenizer.token_to_id("<tool_call>") is None
+    assert chatml.token(chatml.call_end_id) == chatml.token(chatml.eot_id) == "<|im_end|>"
+    for tok in (qwen, harmony, chatml):
         assert tok.decode([tok.nl_id]) == "\n" and tok.vocab_size == 600
 
 

@@ -14,6 +14,7 @@ from safetensors.numpy import save_file
 from agentrl_jax.hf import load_pretrained
 from agentrl_jax.hf.checkpoint import mxfp4_dequantize, read_hf_config
 from agentrl_jax.hf.families import family_of, hf_config_json
+from agentrl_jax.hf.tiny import FAMILY_NAMES
 from agentrl_jax.sharding import MeshConfig, make_mesh
 
 # MXFP4 from the format's definition (OCP Microscaling): E2M1 elements, E8M0 group scales.
@@ -135,9 +136,9 @@ def _qwen3(hf_models):
 
 def test_unknown_architecture_is_named(hf_models, tmp_path):
     cfg = read_hf_config(_qwen3(hf_models))
-    cfg.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"])
     path = _rewrite(_qwen3(hf_models), tmp_path / "d", config=cfg)
-    with pytest.raises(ValueError, match="LlamaForCausalLM.*supported"):
+    with pytest.raises(ValueError, match="MistralForCausalLM.*supported"):
         load_pretrained(path)
 
 
@@ -175,7 +176,7 @@ def test_unsupported_config_field_is_named(hf_models, tmp_path):
         load_pretrained(path)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_family_config_roundtrip(hf_models, family):
     """config.json -> ModelConfig -> config.json -> the same ModelConfig."""
     hf = read_hf_config(hf_models[family][0])
