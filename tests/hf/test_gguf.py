@@ -146,6 +146,95 @@ def test_logits_match_transformers_two_blocks(small, small_hf, small_loaded):
         assert np.abs(ours - ref).max() <= 1e-4
 
 
+TEXTS = [
+    "def add(a, b):\n    return a - b  # bug\n\n\n\tprint(add(2, 3))\r\n",
+    "héllo wörld — naïve café, 日本語のテキスト, Ελληνικά, 🎉🎉 👩‍💻",
+    "   leading spaces\t\ttabs \u00a0nbsp\u2003em   trailing   \n\n\n \n",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|><jupyter_code>",
+    "I'M HERE'S don't x=12345 a1b22",
+    "",
+]
+# whitespace before a number: where llama.cpp's smollm split and transformers' fallback differ
+NUMBERS = ["  1", "x = [1, 2,  3]\n    100\n", "\n\t42", "½ ² ٣"]
+
+
+@pytest.fixture(scope="module")
+def small_tok(small):
+    """(our tokenizer of the converted directory, transformers' tokenizer of the GGUF file)."""
+    ref = transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(small[0]), gguf_file=os.path.basename(small[0])
+    )
+    return load_tokenizer(small[1]), ref
+
+
+def test_tokenizer_matches_transformers_gguf_tokenizer(small_tok):
+    """Ids and text of transformers' GGUF tokenizer on code, non-ASCII text, odd whitespace
+    and special tokens; the same special tokens."""
+    ours, ref = small_tok
+    assert ours.vocab_size == len(ref) == 49152 and ours.fmt.name == "chatml"
+    assert [ours.token(i) for i in (ours.eot_id, ours.eos_id)] == ["<|im_end|>", "<|endoftext|>"]
+    assert (ref.bos_token, ref.eos_token, ref.pad_token, ref.unk_token) == (
+        "<|im_start|>", "<|im_end|>", "<|im_end|>", "<|endoftext|>",
+    )  # fmt: skip
+    assert ours.special_tokens_map == {
+        "bos_token": ref.bos_token, "eos_token": ref.eos_token,
+        "pad_token": ref.pad_token, "unk_token": ref.unk_token,
+    }  # fmt: skip
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False), text
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=False) == text
+    ids = np.random.default_rng(0).integers(0, ours.vocab_size, 300).tolist()
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=False)
+
+
+def test_numbers_split_as_llama_cpp_smollm(small_tok):
+    """``tokenizer.ggml.pre = smollm``: every number character alone, then GPT-2's split (as
+    llama.cpp and SmolLM2's own tokenizer.json). transformers' GGUF tokenizer lacks that entry
+    (GPT-2's split alone): with its pre-tokenizer set to the smollm split it gives our ids on
+    every text; as shipped it differs only where whitespace precedes a number."""
+    from tokenizers import pre_tokenizers
+
+    ours, ref = small_tok
+    assert [ours.token(i) for i in ours.encode("  1")] == ["ĠĠ", "1"]
+    assert ref.convert_ids_to_tokens(ref.encode("  1", add_special_tokens=False)) == [
+        "Ġ", "Ġ", "1",
+    ]  # fmt: skip
+    backend = ref.backend_tokenizer
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    for text in TEXTS + NUMBERS:
+        assert ours.encode(text) == backend.encode(text, add_special_tokens=False).ids, text
+        assert ours.decode(ours.encode(text)) == text
+
+
+@pytest.mark.parametrize("system", [True, False], ids=["system", "default_system"])
+def test_chat_template_renders_like_transformers(small, small_tok, system):
+    """SmolLM2's template (ChatML; a default system prompt when none is given) renders the
+    same text and ids as transformers' GGUF tokenizer and as transformers reading the
+    converted directory."""
+    ours, ref = small_tok
+    converted = transformers.AutoTokenizer.from_pretrained(small[1])
+    msgs = [
+        {"role": "user", "content": "Le test échoue :\n  assert add(2, 3) == 5\n\tgot -1 ✗"},
+        {"role": "assistant", "content": "Fixed:  `a + b`.\n\nDone ✓"},
+        {"role": "user", "content": "   merci   "},
+    ]
+    msgs = (CHAT[:1] if system else []) + msgs
+    for gen in (False, True):
+        want = ref.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+        assert ours.render(msgs, add_generation_prompt=gen) == want
+        assert (
+            converted.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False) == want
+        )
+    ids = ref.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]
+    assert ours.encode(ours.render(msgs)) == list(ids)
+
+
 def test_convert_refuses_a_directory_with_files(small, tmp_path):
     from agentrl_jax.cli import main
 
