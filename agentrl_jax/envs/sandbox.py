@@ -5,30 +5,35 @@
   * in fresh network, pid and mount namespaces (util-linux ``unshare``): no network (only a
     loopback interface that is down), no view of the host's processes, and everything the
     program starts (daemons that call ``setsid`` included) dies when the run ends;
-  * in a fresh directory holding only ``files`` (``/tmp/work`` on a size-limited tmpfs that
-    exists only inside the run's mount namespace), with every other mount read-only, so nothing
-    outside can be written and nothing is left behind;
+  * in a minimal root of its own (``sandbox_root``): the interpreter, its standard library and
+    the shared libraries they load, read-only; ``/dev/null``, ``/dev/zero``, ``/dev/urandom``,
+    ``/dev/random``; a private, size-limited tmpfs on ``/tmp`` holding the work directory
+    ``/tmp/work`` with only ``files``. Nothing else of the host: no ``/proc``, no home
+    directories, no virtualenv, project tree, data files or run directories, no ``/etc`` but
+    the loader's cache. The root is entered with ``pivot_root`` and the host's is detached;
   * with rlimits on CPU seconds, address space, file size, processes and open files;
   * under a wall-clock timeout that kills the whole namespace;
   * with a scrubbed environment (``PATH``, ``HOME``, ``TMPDIR``, ``LANG``, a few ``PYTHON*``
     settings such as a fixed hash seed, and nothing else);
-  * as an unprivileged uid when the trainer is root: each concurrent run on the host takes its
-    own uid ``uid_base + slot`` (slots are locked host-wide with ``flock``), so runs cannot
-    signal each other or share a process limit;
-  * with stdout and stderr captured up to ``Limits.output_bytes`` (more kills the run).
+  * without capabilities and with ``no_new_privs``: as an unprivileged uid when the trainer is
+    root (each concurrent run on the host takes its own uid ``uid_base + slot``; slots are
+    locked host-wide with ``flock``, so runs cannot signal each other or share a process
+    limit), else as uid 0 of an unprivileged user namespace whose capabilities are dropped;
+  * with stdout and stderr captured up to ``Limits.output_bytes`` (more kills the run);
+  * optionally with ``stdin`` bytes (a memory file, never on disk) and a private *channel*: a
+    pipe to the trainer on the program's fd 3 that only the program itself holds (a judge
+    writes its verdict there, out of reach of what it runs; ``Result.channel``).
 
 The setup is done by ``sandbox_launcher.py`` (its source is passed with ``python -I -S -c``; the
 child never imports this package). When the trainer is not root, the run uses an unprivileged
-user namespace (``unshare --user --map-root-user``) and runs as the trainer's uid behind the
-read-only mounts. If the host allows neither, ``Sandbox`` raises ``SandboxUnavailable`` saying
-how to enable it: a program is never run without isolation.
+user namespace (``unshare --user --map-root-user``). If the host allows neither, or the root
+cannot be built, ``Sandbox`` raises ``SandboxUnavailable`` saying how to enable it: a program is
+never run without its isolation (there is no weaker mode to fall back to).
 
-``argv[0] == "python"`` means the interpreter the trainer runs on (its base executable: the
-venv's packages, the trainer's own included, are not importable in the child), if the sandbox's
-uid can execute it; otherwise (e.g. an interpreter under a private home directory) a Python of
-the same version on the standard system paths, then any ``python3`` there (see
-``_python_candidates``); the choice is logged once. ``sandbox_pool.SandboxPool`` runs many
-programs at once.
+``argv[0] == "python"`` means the interpreter of the root (``sandbox_root.candidates``: the
+trainer's base interpreter, without the venv's packages, if it runs in the root; else a system
+Python of the same version, then any ``python3``); the choice is logged once. Other absolute
+``argv[0]`` must exist in the root. ``sandbox_pool.SandboxPool`` runs many programs at once.
 """
 
 from __future__ import annotations
@@ -48,11 +53,14 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+from agentrl_jax.envs import sandbox_root
+from agentrl_jax.envs.sandbox_root import SYSTEM_PATH as _SYSTEM_PATH
+from agentrl_jax.envs.sandbox_root import RootLayout
+
 logger = logging.getLogger(__name__)
 
 KILLED_BY = ("timeout", "cpu", "memory", "file_size", "procs", "open_files", "output")
 _LAUNCHER = (pathlib.Path(__file__).parent / "sandbox_launcher.py").read_text()
-_SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 _HOW_TO_ENABLE = (
     "run the trainer as root (or with CAP_SYS_ADMIN), or enable unprivileged user namespaces "
     "(sysctl -w kernel.unprivileged_userns_clone=1 and user.max_user_namespaces > 0; in a "
@@ -126,6 +134,8 @@ class Result:
         sending a signal.
       wall_s: wall-clock seconds of the run, setup included.
       truncated: output past ``Limits.output_bytes`` was dropped.
+      channel: what the program wrote to fd 3 (``run(..., channel=True)``), at most
+        ``Limits.output_bytes``; empty otherwise.
     """
 
     returncode: int
@@ -135,6 +145,7 @@ class Result:
     killed_by: str | None
     wall_s: float
     truncated: bool = False
+    channel: bytes = b""
 
     @property
     def ok(self) -> bool:
@@ -169,40 +180,13 @@ class _Slots:
         os.close(fd)  # closing the descriptor drops the lock
 
 
-def _executable_by_others(path: str) -> bool:
-    """Whether a uid that owns nothing on the host can execute ``path`` (every directory on the
-    way searchable, the file readable and executable, by "others")."""
-    real = os.path.realpath(path)
-    parts = pathlib.Path(real).parents
-    try:
-        if any(not os.stat(p).st_mode & 0o001 for p in parts):
-            return False
-        return os.stat(real).st_mode & 0o005 == 0o005
-    except OSError:
-        return False
-
-
-def _python_candidates() -> list[str]:
-    """The trainer's base interpreter (the same binary without the venv's packages, so the
-    child cannot import the trainer's), a system Python of the same version, the venv's own
-    interpreter (a copy, when the venv was made with ``--copies``), any system ``python3``."""
-    major, minor = sys.version_info[:2]
-    base = getattr(sys, "_base_executable", None) or sys.executable
-    found = [os.path.realpath(base)]
-    same = shutil.which(f"python{major}.{minor}", path=_SYSTEM_PATH)
-    found += [same] if same else []
-    found.append(os.path.realpath(sys.executable))
-    any3 = shutil.which("python3", path=_SYSTEM_PATH)
-    found += [any3] if any3 else []
-    return list(dict.fromkeys(found))
-
-
 class Sandbox:
     """Runs programs in isolation (see module docstring); thread-safe.
 
     Args:
       limits: resource limits (default ``Limits()``).
-      python: interpreter that ``argv[0] == "python"`` names (default: see module docstring).
+      python: interpreter that ``argv[0] == "python"`` names (default: see module docstring);
+        its root layout is probed on the host (``sandbox_root.probe``).
       uid_base: first uid of the per-slot unprivileged uids (root only), 1000..2**31 - 4096.
       max_slots: concurrent runs on the host (root only), 1..4096.
       slot_dir: where the slot lock files live (root only; default a root-private directory
@@ -235,49 +219,65 @@ class Sandbox:
         self._prefix = [unshare, "--net", "--pid", "--fork", "--kill-child", "--mount"]
         if not self.as_root:
             self._prefix += ["--user", "--map-root-user"]
-        self._prefix += ["--mount-proc", "--", sys.executable, "-I", "-S", "-c", _LAUNCHER]
+        self._prefix += ["--", sys.executable, "-I", "-S", "-c", _LAUNCHER]
         self._slots = None
         if self.as_root:
             default_dir = os.path.join("/tmp" if os.path.isdir("/tmp") else "/", ".agentrl-sandbox")
             self._slots = _Slots(slot_dir or default_dir, max_slots)
-        self.python = python
-        if self.python is None:
-            self.python = _resolve_python(self)
+        self.layout = _resolve_layout(self, python)
+        self.python = self.layout.python
 
-    def run(self, files: Mapping[str, str], argv: Sequence[str], timeout_s: float) -> Result:
+    def run(
+        self,
+        files: Mapping[str, str],
+        argv: Sequence[str],
+        timeout_s: float,
+        *,
+        stdin: bytes = b"",
+        channel: bool = False,
+    ) -> Result:
         """Runs ``argv`` in a fresh sandbox holding ``files``.
 
         Args:
           files: relative path -> text content (UTF-8), written before the program starts.
           argv: the command; ``argv[0] == "python"`` is the sandbox's interpreter, any other
-            ``argv[0]`` must be an absolute path.
+            ``argv[0]`` must be an absolute path (present in the root).
           timeout_s: wall-clock limit in seconds, in (0, 3600].
+          stdin: what the program reads on fd 0 (a memory file; ``/dev/null`` when empty), at
+            most 256 MiB.
+          channel: give the program a private pipe to the trainer on fd 3
+            (``Result.channel``).
 
         Returns:
           A ``Result`` (a program that fails or breaks a limit is a result, not an exception).
 
         Raises:
           ValueError: a file path that is absolute, empty or leaves the directory; empty
-            ``argv``; a relative ``argv[0]`` other than ``python``; ``timeout_s`` out of range.
-          SandboxUnavailable: the namespaces or the mounts could not be set up.
+            ``argv``; a relative ``argv[0]`` other than ``python``; ``timeout_s`` out of
+            range; ``stdin`` not bytes or too large.
+          SandboxUnavailable: the namespaces or the root could not be set up.
         """
-        spec = self._spec(files, argv, timeout_s)
+        spec = self._spec(files, argv, timeout_s, stdin)
         lock = None
         if self._slots is not None:
             slot, lock = self._slots.acquire()
             uid = self.uid_base + slot
             spec["drop_to"] = [uid, uid]
         try:
-            return self._launch(spec, timeout_s)
+            return self._launch(spec, timeout_s, channel)
         finally:
             if lock is not None:
                 _Slots.release(lock)
 
-    def _spec(self, files: Mapping[str, str], argv: Sequence[str], timeout_s: float) -> dict:
+    def _spec(
+        self, files: Mapping[str, str], argv: Sequence[str], timeout_s: float, stdin: bytes
+    ) -> dict:
         if not 0 < timeout_s <= 3600:
             raise ValueError(f"timeout_s={timeout_s} must be in (0, 3600]")
         if not argv or not all(isinstance(a, str) for a in argv):
             raise ValueError(f"argv={argv!r} must be a non-empty list of strings")
+        if not isinstance(stdin, bytes) or len(stdin) > 256 << 20:
+            raise ValueError("stdin must be bytes of at most 256 MiB")
         argv = list(argv)
         if argv[0] == "python":
             argv[0] = self.python
@@ -301,13 +301,16 @@ class Sandbox:
             "argv": argv,
             "env": env,
             "limits": dataclasses.asdict(self.limits),
+            "root": self.layout.spec(),
+            "stdin": stdin,
             "drop_to": None,
         }
 
-    def _launch(self, spec: dict, timeout_s: float) -> Result:
+    def _launch(self, spec: dict, timeout_s: float, channel: bool) -> Result:
         start = time.monotonic()
         status_r, status_w = os.pipe()
-        spec["status_fd"] = status_w
+        chan_r, chan_w = os.pipe() if channel else (None, None)
+        spec["status_fd"], spec["channel_fd"] = status_w, chan_w
         try:
             proc = subprocess.Popen(
                 self._prefix,
@@ -315,27 +318,38 @@ class Sandbox:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env={"PATH": _SYSTEM_PATH, "LANG": "C.UTF-8"},
-                pass_fds=(status_w,),
+                pass_fds=(status_w,) if chan_w is None else (status_w, chan_w),
                 start_new_session=True,
             )
         except BaseException:
             os.close(status_r)
+            if chan_r is not None:
+                os.close(chan_r)
             raise
         finally:
             os.close(status_w)
+            if chan_w is not None:
+                os.close(chan_w)
         try:
-            out, err, reason = _communicate(
-                proc, marshal.dumps(spec), start + timeout_s, self.limits.output_bytes
+            outputs, reason = _communicate(
+                proc,
+                marshal.dumps(spec),
+                chan_r,
+                start + timeout_s,
+                self.limits.output_bytes,
             )
             with os.fdopen(status_r, "rb") as f:
                 status = f.read()
         finally:
             if proc.poll() is None:
                 _kill(proc)
+            if chan_r is not None:
+                os.close(chan_r)
         wall = time.monotonic() - start
-        return self._result(status, out, err, reason, wall)
+        return self._result(status, outputs, reason, wall)
 
-    def _result(self, status: bytes, out: bytes, err: bytes, reason, wall: float) -> Result:
+    def _result(self, status: bytes, outputs: list[bytes], reason, wall: float) -> Result:
+        out, err, chan = outputs
         kind, _, rest = status.decode(errors="replace").partition(" ")
         if kind == "error":
             raise SandboxUnavailable(f"{rest}: {_HOW_TO_ENABLE}")
@@ -366,6 +380,7 @@ class Sandbox:
             killed_by=killed_by,
             wall_s=wall,
             truncated=reason == "output",
+            channel=chan,
         )
 
 
@@ -380,20 +395,25 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def _communicate(
-    proc: subprocess.Popen, spec: bytes, deadline: float, limit: int
-) -> tuple[bytes, bytes, str | None]:
-    """Feeds the spec, collects output until EOF, the deadline or the output limit.
+    proc: subprocess.Popen, spec: bytes, channel: int | None, deadline: float, limit: int
+) -> tuple[list[bytes], str | None]:
+    """Feeds the spec, collects stdout, stderr and the channel until EOF, the deadline or the
+    output limit (stdout and stderr together; the channel on its own).
 
-    Returns ``(stdout, stderr, reason)`` with reason ``"timeout"``, ``"output"`` or None.
+    Returns ``([stdout, stderr, channel], reason)`` with reason ``"timeout"``, ``"output"`` or
+    None.
     """
     sel = selectors.DefaultSelector()
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
     chunks: dict[int, list[bytes]] = {out_fd: [], err_fd: []}
     sel.register(proc.stdout, selectors.EVENT_READ)
     sel.register(proc.stderr, selectors.EVENT_READ)
+    if channel is not None:
+        chunks[channel] = []
+        sel.register(channel, selectors.EVENT_READ)
     sel.register(proc.stdin, selectors.EVENT_WRITE)
     os.set_blocking(proc.stdin.fileno(), False)
-    pending, total, reason = memoryview(spec), 0, None
+    pending, totals, reason = memoryview(spec), {"output": 0, "channel": 0}, None
     try:
         while len(sel.get_map()) > 0:
             left = deadline - time.monotonic()
@@ -414,10 +434,10 @@ def _communicate(
                 if not data:
                     sel.unregister(key.fileobj)
                     continue
-                keep = data[: max(limit - total, 0)]
-                chunks[key.fd].append(keep)
-                total += len(data)
-                if total > limit:
+                which = "channel" if key.fd == channel else "output"
+                chunks[key.fd].append(data[: max(limit - totals[which], 0)])
+                totals[which] += len(data)
+                if totals[which] > limit:
                     reason = "output"
                     break
             if reason:
@@ -435,48 +455,39 @@ def _communicate(
         except subprocess.TimeoutExpired:
             _kill(proc)
             reason = "timeout"
-    return b"".join(chunks[out_fd]), b"".join(chunks[err_fd]), reason
+    outputs = [b"".join(chunks[out_fd]), b"".join(chunks[err_fd])]
+    outputs.append(b"".join(chunks[channel]) if channel is not None else b"")
+    return outputs, reason
 
 
-_PYTHONS: dict[tuple[bool, str], str] = {}
-_PYTHONS_LOCK = threading.Lock()
+_LAYOUTS: dict[tuple[bool, str, str | None], RootLayout] = {}
+_LAYOUTS_LOCK = threading.Lock()
 
 
-def _resolve_python(sandbox: Sandbox) -> str:
-    """The interpreter for ``argv[0] == "python"`` (see module docstring), probed in a run.
+def _resolve_layout(sandbox: Sandbox, python: str | None) -> RootLayout:
+    """The root layout of ``python``, or of the interpreter ``sandbox_root.choose`` picks
+    (probed once per process).
 
     Raises:
       SandboxUnavailable: no candidate runs inside the sandbox.
     """
-    key = (sandbox.as_root, sys.executable)
-    with _PYTHONS_LOCK:
-        if key in _PYTHONS:
-            return _PYTHONS[key]
-        want = sys.version_info[:2]
-        versions: dict[str, tuple[int, ...]] = {}
-        for cand in _python_candidates():
-            if sandbox.as_root and not _executable_by_others(cand):
-                continue
-            res = sandbox.run({}, [cand, "-c", "import sys; print(*sys.version_info[:2])"], 30)
-            if res.returncode == 0:
-                versions[cand] = tuple(int(v) for v in res.stdout.split())
-                if versions[cand] == want:
-                    break
-        same = [c for c, v in versions.items() if v == want]
-        chosen = (same or list(versions) or [None])[0]
-        if chosen is None:
-            raise SandboxUnavailable(
-                f"no Python interpreter is executable by the sandbox's uid (tried "
-                f"{_python_candidates()}); make one readable and executable by others along its "
-                "whole path, or pass Sandbox(python=...)"
-            )
-        base = _python_candidates()[0]
-        if chosen != base:
-            logger.info(
-                "sandbox runs %s (Python %s): the trainer's %s is not executable by its uid",
-                chosen,
-                ".".join(map(str, versions[chosen])),
-                base,
-            )
-        _PYTHONS[key] = chosen
+    key = (sandbox.as_root, sys.executable, python)
+    with _LAYOUTS_LOCK:
+        if key in _LAYOUTS:
+            return _LAYOUTS[key]
+
+        def fails(layout: RootLayout) -> str | None:
+            sandbox.layout, sandbox.python = layout, layout.python  # what run() uses
+            res = sandbox.run({}, ["python", "-I", "-S", "-c", "pass"], 60)
+            return f"exit {res.returncode}: {res.stderr.strip()[-300:]}" if res.returncode else None
+
+        try:
+            chosen = sandbox_root.choose(python, fails)
+        except LookupError as e:
+            raise SandboxUnavailable(str(e)) from None
+        first = sandbox_root.candidates()[0]
+        if python is None and chosen.python != first:
+            version = ".".join(map(str, chosen.version))
+            logger.info("sandbox runs %s (Python %s), not %s", chosen.python, version, first)
+        _LAYOUTS[key] = chosen
         return chosen

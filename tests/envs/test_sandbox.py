@@ -15,6 +15,7 @@ from agentrl_jax.envs import sandbox as sandbox_mod
 from agentrl_jax.envs.sandbox import Limits, Result, Sandbox
 from agentrl_jax.envs.sandbox_pool import SandboxPool
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(sandbox_mod.__file__))))
 UID_BASE = 1_600_000_000
 MAX_SLOTS = 16
 LIMITS = Limits(cpu_s=1, n_procs=32, output_bytes=1 << 20, address_space_bytes=1 << 30)
@@ -280,10 +281,9 @@ def test_unprivileged_trainer_uses_a_user_namespace(tmp_path):
     if python is None or setpriv is None or probe.returncode != 0:
         pytest.skip("no system python3, setpriv, or unprivileged user namespaces here")
     script = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('sb', {sandbox_mod.__file__!r})\n"
-        "sb = sys.modules['sb'] = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(sb)\n"
+        "import sys\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "from agentrl_jax.envs import sandbox as sb\n"
         "box = sb.Sandbox(sb.Limits(cpu_s=2))\n"
         'code = (\'import os, socket\\nfor p in ("/var/tmp/x", "/etc/x"):\\n\'\n'
         "        '    try:\\n        open(p, \"w\")\\n    except OSError as e:\\n'\n"
