@@ -2,9 +2,12 @@
 
 Every execution of a solution (the agent's ``run_tests`` and ``submit``, the visible-test
 evaluation behind the process signals, and the validation of generated tasks) goes through
-``evaluate`` or ``evaluate_batch``, which run ``runner.py`` in a ``Sandbox``. A run that a limit
-stopped (time, memory, output) comes back as an ``Evaluation`` whose tests all failed and whose
-report says which limit.
+``evaluate`` or ``evaluate_batch``, which run ``judge.py`` in a ``Sandbox``: the jobs (hidden
+tests included) reach the judge on its stdin, a memory file, and the results come back on the
+sandbox's private channel, which the solution's process never holds (see ``judge``); what the
+run prints is never read for results. A run that a limit stopped (time, memory, output) or whose
+judge did not answer comes back as an ``Evaluation`` whose tests all failed and whose report
+says why.
 """
 
 from __future__ import annotations
@@ -13,15 +16,13 @@ import ast
 import dataclasses
 import json
 import pathlib
-import secrets
 import threading
 from collections.abc import Sequence
 
-from agentrl_jax.envs.pyrepair.problems import SOLUTION_FILE
+from agentrl_jax.envs.pyrepair.report import render
 from agentrl_jax.envs.sandbox import Limits, Result, Sandbox
 
-RUNNER = (pathlib.Path(__file__).parent / "runner.py").read_text()
-JOBS_FILE = ".jobs.json"
+JUDGE = (pathlib.Path(__file__).parent / "judge.py").read_text()
 SANDBOX_LIMITS = Limits(cpu_s=30, address_space_bytes=1 << 30, n_procs=32, output_bytes=4 << 20)
 
 _default: Sandbox | None = None
@@ -136,36 +137,48 @@ def evaluate_batch(
     """
     if not jobs or (report and len(jobs) != 1):
         raise ValueError(f"jobs must be non-empty (exactly one with report), got {len(jobs)}")
-    nonce = secrets.token_hex(16)
-    payload = [
-        {
-            "solution": j.solution,
-            "tests": j.tests,
-            "test_file": j.test_file,
-            "stop_at_first_failure": j.stop_at_first_failure,
-            "timeout_s": j.timeout_s,
-        }
-        for j in jobs
-    ]
-    files = {JOBS_FILE: json.dumps(payload)}
-    if report:
-        files |= {SOLUTION_FILE: jobs[0].solution, jobs[0].test_file: jobs[0].tests}
-    mode = "report" if report else "batch"
-    # -S: no site-packages (solutions use the standard library; site costs tens of ms a run)
-    argv = ["python", "-S", "-c", RUNNER, mode, nonce, JOBS_FILE, repr(test_timeout_s)]
-    res = sandbox.run(files, argv, run_timeout_s)
-    return _read(res, nonce, jobs, report)
+    request = {
+        "jobs": [
+            {
+                "solution": j.solution,
+                "tests": j.tests,
+                "test_file": j.test_file,
+                "stop_at_first_failure": j.stop_at_first_failure,
+                "timeout_s": j.timeout_s,
+            }
+            for j in jobs
+        ],
+        "test_timeout_s": test_timeout_s,
+        "report": report,
+    }
+    argv = ["python", "-I", "-S", "-c", JUDGE]
+    stdin = json.dumps(request).encode()
+    res = sandbox.run({}, argv, run_timeout_s, stdin=stdin, channel=True)
+    return _read(res, jobs, report)
 
 
-def _read(res: Result, nonce: str, jobs: Sequence[Job], report: bool) -> list[Evaluation]:
-    head, sep, tail = res.stdout.rpartition("\n" + nonce + " ")
-    results = None
-    if sep and res.killed_by is None:
-        try:
-            results = json.loads(tail)
-        except json.JSONDecodeError:
-            results = None
-    if results is None or len(results) != len(jobs):
+def _results(res: Result, n_jobs: int) -> list[dict] | None:
+    """The judge's job results from the channel, or None (a limit stopped the run, or the
+    channel does not hold one well-formed result per job)."""
+    if res.killed_by is not None:
+        return None
+    try:
+        results = json.loads(res.channel)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(results, list) or len(results) != n_jobs:
+        return None
+    try:
+        if all(len(r["names"]) == len(r["outcomes"]) == len(r["errors"]) for r in results):
+            return results
+    except (KeyError, TypeError):
+        pass
+    return None
+
+
+def _read(res: Result, jobs: Sequence[Job], report: bool) -> list[Evaluation]:
+    results = _results(res, len(jobs))
+    if results is None:
         text = _stopped_text(res)
         return [
             Evaluation(
@@ -185,7 +198,7 @@ def _read(res: Result, nonce: str, jobs: Sequence[Job], report: bool) -> list[Ev
             errors=tuple(r["errors"]),
             collect_error=r["collect_error"],
             parses=parses(j.solution),
-            report=head.strip("\n") if report else "",
+            report=render(j.test_file, r) if report else "",
             sandbox_s=res.wall_s,
         )
         for j, r in zip(jobs, results)
@@ -198,7 +211,7 @@ def _stopped_text(res: Result) -> str:
     elif res.killed_by is not None:
         why = f"the run hit its {res.killed_by} limit"
     else:
-        why = f"the test runner exited with status {res.returncode}"
+        why = f"the judge gave no results (exit status {res.returncode})"
     lines = [f"tests stopped: {why}"]
     err = res.stderr.strip()
     if err:
