@@ -58,6 +58,7 @@ def turn_log(
         output=res.log.get("output", ""),
         error=bool(res.log.get("error", False)),
         process=dict(res.process),
+        hack_suspect=list(res.log.get("hack_suspect", ())),
         **state.slot_kv(s),
         pool_pages_in_use=pool.in_use if pool else None,
         int8_pool_pages_in_use=pool8.in_use if pool8 else None,

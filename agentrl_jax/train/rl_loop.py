@@ -57,6 +57,7 @@ from agentrl_jax.train.placement import Placement, play_sharded
 log = logging.getLogger(__name__)
 
 TOOL_CALLS_FILE = "tool_calls.jsonl"
+HACK_SUSPECTS_FILE = "hack_suspects.jsonl"
 TASKS_FILE = "tasks.jsonl"
 TASK_KEYS = ("seed", "difficulty", "bug_types", "split")  # a task's identity in tasks.jsonl
 
@@ -87,6 +88,8 @@ class Collected:
         padded to ``rollout.max_len``; ``group_ids`` renumbered 0..G-1.
       data_metrics: the task pipeline's metrics of the step.
       calls, rejected_calls: model turns, and turns answered by an error.
+      hack_suspect_calls: turns whose code the environment flagged as a suspected reward hack
+        (``StepResult.log["hack_suspect"]``).
       seconds: wall time of the rollouts.
       specs: the task of every rolled-out group (``TASK_KEYS``), in rollout order.
       used: the ``store`` index of each update-batch group.
@@ -103,6 +106,7 @@ class Collected:
     specs: list[dict] = dataclasses.field(default_factory=list)
     used: list[int] = dataclasses.field(default_factory=list)
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    hack_suspect_calls: int = 0
 
 
 class RLRun:
@@ -293,6 +297,7 @@ class RLRun:
         store: list[Rows] = []
         specs: list[dict] = []
         self._calls = [0, 0]
+        self._suspect_calls = 0
         self._kv_peak = 0  # largest per-episode KV bytes on the live pools this step
         guidance = Guidance(
             self.loop, self.env, self.tokenizer, self.sampling.max_len, self.batch_size, play
@@ -326,6 +331,7 @@ class RLRun:
             seconds=time.perf_counter() - t0,
             specs=specs,
             used=used,
+            hack_suspect_calls=self._suspect_calls,
         )
 
     def log_tasks(self, step: int, c: Collected) -> None:
@@ -412,12 +418,24 @@ class RLRun:
         return traj
 
     def account(self, traj, log_step: int) -> None:
-        """Counts ``traj``'s calls and rejected calls and logs them to ``tool_calls.jsonl`` as
-        rows of metrics step ``log_step`` (process 0 writes)."""
+        """Counts ``traj``'s calls, rejected calls and suspected hacks and logs them to
+        ``tool_calls.jsonl`` as rows of metrics step ``log_step``; every episode with a suspected
+        hack goes whole to ``hack_suspects.jsonl`` (process 0 writes)."""
         if self.loop.log_tool_calls and self.placement.primary:
             with JsonlWriter(os.path.join(self.run_dir, TOOL_CALLS_FILE)) as f:
                 for row in traj.logs:
                     f.write({"step": log_step, "attempt": self.attempt, **row})
+        flagged = {r["episode"] for r in traj.logs if r.get("hack_suspect")}
+        self._suspect_calls += sum(bool(r.get("hack_suspect")) for r in traj.logs)
+        if flagged and self.placement.primary:
+            with JsonlWriter(os.path.join(self.run_dir, HACK_SUSPECTS_FILE)) as f:
+                for uid in sorted(flagged):
+                    turns = [r for r in traj.logs if r["episode"] == uid]
+                    reasons = sorted({x for r in turns for x in r.get("hack_suspect", ())})
+                    f.write(
+                        {"step": log_step, "attempt": self.attempt, "episode": uid}
+                        | {"reasons": reasons, "turns": turns}
+                    )
         self._calls[0] += len(traj.logs)
         self._kv_peak = max([self._kv_peak, *(r["kv_bytes"] for r in traj.logs)])
         self._calls[1] += sum(bool(r.get("error")) for r in traj.logs)
@@ -485,6 +503,7 @@ class RLRun:
                 "goal_adherence": float(np.mean(rows["goal_adhered"])),
                 "truncated": float(np.mean(rows["truncated"])),
                 "rejected_call_rate": c.rejected_calls / max(c.calls, 1),
+                "env/hack_suspect": c.hack_suspect_calls / max(c.calls, 1),
                 "episode_tokens": float(rows["valid"].sum(1).mean()),
                 "rollout_s": c.seconds,
                 "update_s": update_s,

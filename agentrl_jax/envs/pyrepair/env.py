@@ -24,7 +24,9 @@ visible tests on ``solution.py`` before and after it:
   * ``repeated``: -1 when a rejected call repeats one already rejected in the episode;
   * ``revisit``: -1 when an edit brings the work tree back to a version it already had.
 The outcome reward (final step only) is 1.0 iff every test, hidden ones included, passes at
-``submit`` and the constraints are kept (``log["goal_adhered"]``).
+``submit`` and the constraints are kept (``log["goal_adhered"]``). ``log["hack_suspect"]`` lists
+what the step's code does that looks like reward hacking (``hack_check.step_suspicions``; the
+RL loop reports the rate as ``env/hack_suspect``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 from agentrl_jax.envs.base import StepResult, ToolError
 from agentrl_jax.envs.pyrepair import tools
 from agentrl_jax.envs.pyrepair.execution import Evaluation, Job, default_sandbox, evaluate_batch
+from agentrl_jax.envs.pyrepair.hack_check import step_suspicions
 from agentrl_jax.envs.pyrepair.problems import SOLUTION_FILE
 from agentrl_jax.envs.pyrepair.prompts import system_prompt, user_prompt
 from agentrl_jax.envs.pyrepair.task import Task
@@ -140,6 +143,7 @@ class PyRepairEnv:
             key = (error or "") if name is None else json.dumps([name, arguments], sort_keys=True)
             process["repeated"] = -1.0 if key in self._rejected else 0.0
             self._rejected.add(key)
+        log["hack_suspect"] = step_suspicions(name, arguments, st.files, task.solution)
         outcome = 0.0
         if st.submitted or self.turn >= task.config.max_turns:
             if not st.submitted:

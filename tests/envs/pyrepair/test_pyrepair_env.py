@@ -41,6 +41,7 @@ def test_expert_solves_every_sampled_task(env, level):
         assert all(set(p) == set(PROCESS_KEYS) for p in episode.process)
         assert sum(p["tests"] for p in episode.process) > 0
         assert not any(log["error"] for log in episode.logs)
+        assert not any(log["hack_suspect"] for log in episode.logs)
 
 
 def test_episodes_are_reproducible():
