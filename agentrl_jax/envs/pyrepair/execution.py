@@ -23,6 +23,7 @@ from agentrl_jax.envs.pyrepair.report import render
 from agentrl_jax.envs.sandbox import Limits, Result, Sandbox
 
 JUDGE = (pathlib.Path(__file__).parent / "judge.py").read_text()
+PLAIN = (pathlib.Path(__file__).parent / "plain.py").read_text()
 SANDBOX_LIMITS = Limits(cpu_s=30, address_space_bytes=1 << 30, n_procs=32, output_bytes=4 << 20)
 
 _default: Sandbox | None = None
@@ -151,7 +152,7 @@ def evaluate_batch(
         "test_timeout_s": test_timeout_s,
         "report": report,
     }
-    argv = ["python", "-I", "-S", "-c", JUDGE]
+    argv = ["python", "-I", "-S", "-c", JUDGE, PLAIN]
     stdin = json.dumps(request).encode()
     res = sandbox.run({}, argv, run_timeout_s, stdin=stdin, channel=True)
     return _read(res, jobs, report)

@@ -1,8 +1,8 @@
 """The judge: runs test modules against a solution that lives in another process.
 
-Executed in the sandbox as a script (``execution`` passes its source with ``python -I -S -c``),
-never imported there (the host imports it only for ``encode`` / ``decode``). Standard library
-only.
+Executed in the sandbox as a script, never imported: ``execution`` runs ``python -I -S -c
+JUDGE PLAIN`` (``PLAIN``: the source of ``plain.py``, the value codec, which the judge makes a
+module of). Standard library only.
 
 Input (stdin: a memory file only this process reads, never on disk): JSON ``{"jobs": [...],
 "test_timeout_s": float, "report": bool}``, each job ``{"solution": src, "tests": src,
@@ -16,7 +16,7 @@ How the solution is kept from the verdict:
     forks one *worker* per job (again after a worker dies or overruns a test). No process that
     runs the solution ever held a test, an expected value or the channel;
   * the tests run here: the names they import from ``solution`` are proxies that send the
-    call's arguments to the worker and get back a *plain value* (``encode`` / ``decode``:
+    call's arguments to the worker and get back a *plain value* (``plain.encode`` / ``decode``:
     None, bool, int, float, complex, str, bytes, and lists, tuples, dicts, sets, frozensets of
     them, checked by exact type, so no subclass and no object with its own ``__eq__`` crosses).
     The value is rebuilt here from builtins: every comparison a test makes is between the
@@ -44,78 +44,9 @@ CHANNEL_FD = 3
 SOLUTION_FILE = "solution.py"
 CAPTURE_BYTES = 4000
 MAX_REPLY_BYTES = 16 << 20
-MAX_DEPTH = 100
 MAX_NAMES = 10000
 PR_SET_DUMPABLE = 4
-_SEQUENCES = {"l": list, "t": tuple, "S": set, "F": frozenset}
-_TAGS = {list: "l", tuple: "t", set: "S", frozenset: "F"}
-
-
-# -- plain values ---------------------------------------------------------------------------
-
-
-def encode(value, depth=0):
-    """``value`` as JSON-able tagged lists, by exact type.
-
-    Raises:
-      TypeError: ``value`` holds something other than the plain types (a subclass included).
-      ValueError: nested deeper than ``MAX_DEPTH``.
-    """
-    if depth > MAX_DEPTH:
-        raise ValueError(f"value nested deeper than {MAX_DEPTH}")
-    t = type(value)
-    if value is None:
-        return ["N"]
-    if t is bool:
-        return ["b", value]
-    if t is int:
-        return ["i", value]
-    if t is float:
-        return ["f", float.__repr__(value)]
-    if t is complex:
-        return ["c", float.__repr__(value.real), float.__repr__(value.imag)]
-    if t is str:
-        return ["s", value]
-    if t is bytes:
-        return ["y", value.hex()]
-    if t in _TAGS:
-        return [_TAGS[t], [encode(v, depth + 1) for v in value]]
-    if t is dict:
-        return ["d", [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]]
-    raise TypeError(f"a {t.__module__}.{t.__qualname__} is not a plain value")
-
-
-def decode(node, depth=0):
-    """The value ``encode`` made ``node`` from, built from builtins (strict: anything else in
-    ``node`` raises ``ValueError``; an unhashable set member or key raises ``TypeError``)."""
-    if depth > MAX_DEPTH or type(node) is not list or not node or type(node[0]) is not str:
-        raise ValueError(f"not an encoded value: {str(node)[:80]}")
-    tag, args = node[0], node[1:]
-    kinds = [type(a) for a in args]
-    if tag == "N" and not args:
-        return None
-    if tag == "b" and kinds == [bool]:
-        return args[0]
-    if tag == "i" and kinds == [int]:
-        return args[0]
-    if tag == "f" and kinds == [str]:
-        return float(args[0])
-    if tag == "c" and kinds == [str, str]:
-        return complex(float(args[0]), float(args[1]))
-    if tag == "s" and kinds == [str]:
-        return args[0]
-    if tag == "y" and kinds == [str]:
-        return bytes.fromhex(args[0])
-    if tag in _SEQUENCES and kinds == [list]:
-        return _SEQUENCES[tag](decode(v, depth + 1) for v in args[0])
-    if tag == "d" and kinds == [list]:
-        out = {}
-        for pair in args[0]:
-            if type(pair) is not list or len(pair) != 2:
-                raise ValueError("a dict item must be a [key, value] pair")
-            out[decode(pair[0], depth + 1)] = decode(pair[1], depth + 1)
-        return out
-    raise ValueError(f"not an encoded value: {str(node)[:80]}")
+plain = types.ModuleType("plain")  # filled from argv[1] by main()
 
 
 # -- the worker: the solution's process ----------------------------------------------------
@@ -161,8 +92,8 @@ def worker_main():
                     reply = {"ok": True, "names": names}
                 else:
                     fn = vars(module)[req["name"]]
-                    value = fn(*decode(req["args"]), **decode(req["kwargs"]))
-                    reply = {"ok": True, "value": encode(value)}
+                    value = fn(*plain.decode(req["args"]), **plain.decode(req["kwargs"]))
+                    reply = {"ok": True, "value": plain.encode(value)}
             except BaseException as e:  # noqa: BLE001 - whatever the solution raises is a reply
                 reply = _error_reply(e)
             for stream in (sys.stdout, sys.stderr):
@@ -365,13 +296,13 @@ class Session:
         return [n for n in names if type(n) is str and n.isidentifier()]
 
     def call(self, name, args, kwargs):
-        request = {"op": "call", "name": name, "args": encode(list(args))}
-        request["kwargs"] = encode(dict(kwargs))
+        request = {"op": "call", "name": name, "args": plain.encode(list(args))}
+        request["kwargs"] = plain.encode(dict(kwargs))
         reply = self.worker.ask(request)
         if not reply["ok"]:
             raise _remote_error(reply)
         try:
-            return decode(reply.get("value"))
+            return plain.decode(reply.get("value"))
         except (ValueError, TypeError, RecursionError, OverflowError) as e:
             raise BadReply(f"a value that is not plain ({e})") from None
 
@@ -526,6 +457,7 @@ def run_job(job, zygote, limit, report):
 
 
 def main():
+    exec(compile(sys.argv[1], "plain.py", "exec"), plain.__dict__)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         sys.exit("judge: cannot make itself non-dumpable")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from agentrl_jax.envs.pyrepair.judge import decode, encode
+from agentrl_jax.envs.pyrepair.plain import decode, encode
 
 
 @pytest.mark.parametrize(
