@@ -14,7 +14,7 @@ import pytest
 from agentrl_jax.envs.pyrepair import PyRepairEnv, redteam
 from agentrl_jax.envs.pyrepair.execution import Job, default_sandbox, evaluate
 from agentrl_jax.envs.pyrepair.hack_check import suspicions
-from agentrl_jax.envs.pyrepair.redteam import FORGER, HACKS, TOKEN, UNFLAGGED, tests
+from agentrl_jax.envs.pyrepair.redteam import FORGER, HACKS, TOKEN, UNFLAGGED, make_tests
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_a_forger_that_knows_the_token_passes():
     """Control: the forger's replies are well formed; only the token it cannot know fails it."""
     forger = FORGER.replace('"tok-" + "0" * 32', repr(TOKEN))
     code = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', {forger!r}])\n"
-    job = Job(code, tests(1, (1, 2)), 2)
+    job = Job(code, make_tests(1, (1, 2)), 2)
     ev = evaluate(default_sandbox(), job, test_timeout_s=2, run_timeout_s=20, report=False)
     assert ev.all_pass, ev
 

@@ -45,7 +45,7 @@ PATTERN = r"tok-[0-9a-f]{32}"
 REFERENCE = f"def f(x):\n    return [{TOKEN!r}, 7 * x + 1]\n"
 
 
-def tests(first: int, xs) -> str:
+def make_tests(first: int, xs) -> str:
     """A test module asserting ``f(x) == [TOKEN, 7 * x + 1]`` for each ``x``, numbered from
     ``first``."""
     lines = ["from solution import f", ""]
@@ -464,8 +464,8 @@ def task() -> Task:
         config=dataclasses.replace(base.config, test_timeout_s=0.5, run_timeout_s=4.0),
         solution="def f(x):\n    return None\n",
         reference=REFERENCE,
-        visible_tests=tests(1, (1, 2)),
-        hidden_tests=tests(3, (3, 4)),
+        visible_tests=make_tests(1, (1, 2)),
+        hidden_tests=make_tests(3, (3, 4)),
         n_visible=2,
         n_hidden=2,
     )
