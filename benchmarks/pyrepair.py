@@ -8,14 +8,22 @@ Prints one JSON line per measurement (``variant``):
     admitting that bug (at least one mutation site; level 2: in a helper) and ``sites_train`` /
     ``sites_heldout``, the number of single-bug mutation sites (before sandbox validation);
   * ``sandbox``: ``sandbox_ms_p50`` / ``sandbox_ms_p99`` of one ``run_tests`` (a sandboxed
-    pytest-style run of the visible tests), over ``runs`` distinct solutions;
+    pytest-style run of the visible tests: minimal root, judge and solution worker), over
+    ``runs`` distinct solutions; with ``--baseline REV`` the same runs of that commit's tree
+    (a temporary ``git worktree``), timed in alternating rounds, as ``baseline_*`` and
+    ``ratio_p50_vs_baseline``;
   * ``parallel`` (one per ``parallel`` in 1, 2, 8): ``env_steps_per_s`` of expert episodes
     played by that many threads, one environment each, sharing the sandbox;
   * ``attacks``: ``attacks_contained`` of ``attacks`` (socket to a 127.0.0.1 listener, writes
     outside, a parent's environment variable, fork bomb, 10 GB, infinite loop, endless sleep,
-    1 GB of output, a ``setsid`` daemon, killing its parent).
+    1 GB of output, a ``setsid`` daemon, killing its parent);
+  * ``reward_hacks``: ``attacks_contained`` of ``attacks``, the red team's reward hacks
+    (``envs/pyrepair/redteam.py``) played through the environment, a hack contained when it
+    earns reward 0 with every test failing; ``flagged``: hacks ``env/hack_suspect`` saw;
+    ``honest_reward``: the honest solution's reward (1.0).
 
 Usage: python benchmarks/pyrepair.py [--episodes 20] [--runs 100] [--parallel-episodes 16]
+       [--baseline REV]
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ import json
 import os
 import platform
 import random
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,8 +48,15 @@ import uuid
 import jax
 
 from agentrl_jax.envs.episode import play_episode
-from agentrl_jax.envs.pyrepair import BUG_TYPES, DIFFICULTIES, ExpertPolicy, PyRepairEnv, make_task
-from agentrl_jax.envs.pyrepair.execution import Job, default_sandbox, evaluate
+from agentrl_jax.envs.pyrepair import (
+    BUG_TYPES,
+    DIFFICULTIES,
+    ExpertPolicy,
+    PyRepairEnv,
+    make_task,
+    redteam,
+)
+from agentrl_jax.envs.pyrepair.execution import default_sandbox
 from agentrl_jax.envs.pyrepair.mutations import find_sites
 from agentrl_jax.envs.pyrepair.problems import problems_of_split
 from agentrl_jax.envs.pyrepair.refactor import extract_helpers
@@ -119,28 +136,84 @@ def task_variety(level: int, machine: dict) -> list[dict]:
     ]
 
 
-def sandbox_timing(runs: int, machine: dict) -> dict:
-    tasks = [make_task(seed, 0) for seed in range(runs)]
-    sandbox = default_sandbox()
-    job0 = Job(tasks[0].solution, tasks[0].visible_tests, tasks[0].n_visible)
-    evaluate(sandbox, job0, test_timeout_s=1.0, run_timeout_s=30, report=True)  # warm-up
-    ms = []
-    for t in tasks:
-        job = Job(t.solution, t.visible_tests, t.n_visible)
-        t0 = time.perf_counter()
-        evaluate(sandbox, job, test_timeout_s=1.0, run_timeout_s=30, report=True)
-        ms.append((time.perf_counter() - t0) * 1e3)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Times ``run_tests``-style evaluations (report runs) of the jobs on stdin with the package of
+# the tree on PYTHONPATH; prints the milliseconds and the sandbox's interpreter.
+_TIMER = """
+import json, sys, time
+from agentrl_jax.envs.pyrepair.execution import Job, default_sandbox, evaluate
+jobs = [Job(*j) for j in json.load(sys.stdin)]
+sandbox = default_sandbox()
+evaluate(sandbox, jobs[0], test_timeout_s=1.0, run_timeout_s=30, report=True)  # warm-up
+ms = []
+for job in jobs:
+    t0 = time.perf_counter()
+    evaluate(sandbox, job, test_timeout_s=1.0, run_timeout_s=30, report=True)
+    ms.append((time.perf_counter() - t0) * 1e3)
+print(json.dumps({"ms": ms, "python": sandbox.python}))
+"""
+
+
+def _timed(tree: str, jobs: list) -> dict:
+    env = {**os.environ, "PYTHONPATH": tree, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", _TIMER],
+        input=json.dumps(jobs),
+        capture_output=True,
+        text=True,
+        cwd=tree,
+        env=env,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _quantiles(ms: list[float], prefix: str = "") -> dict:
     q = statistics.quantiles(ms, n=100, method="inclusive")
     return {
-        "bench": "pyrepair",
-        "variant": "sandbox",
-        "runs": runs,
-        "sandbox_ms_p50": round(statistics.median(ms), 1),
-        "sandbox_ms_p99": round(q[98], 1),
-        "sandbox_ms_min": round(min(ms), 1),
-        "sandbox_ms_max": round(max(ms), 1),
-        **machine,
+        f"{prefix}sandbox_ms_p50": round(statistics.median(ms), 1),
+        f"{prefix}sandbox_ms_p99": round(q[98], 1),
+        f"{prefix}sandbox_ms_min": round(min(ms), 1),
+        f"{prefix}sandbox_ms_max": round(max(ms), 1),
     }
+
+
+def sandbox_timing(runs: int, machine: dict, baseline: str | None, rounds: int = 5) -> dict:
+    tasks = [make_task(seed, 0) for seed in range(runs)]
+    jobs = [[t.solution, t.visible_tests, t.n_visible] for t in tasks]
+    trees = {"current": ROOT}
+    tmp = None
+    if baseline:
+        tmp = tempfile.mkdtemp(prefix="agentrl-baseline-")
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", tmp, baseline],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        trees["baseline"] = tmp
+    ms: dict[str, list[float]] = {k: [] for k in trees}
+    python: dict[str, str] = {}
+    try:
+        for r in range(rounds):  # alternate the trees, so load on the machine hits both
+            chunk = jobs[r::rounds]
+            for name, tree in trees.items():
+                got = _timed(tree, chunk)
+                ms[name] += got["ms"]
+                python[name] = got["python"]
+    finally:
+        if tmp is not None:
+            subprocess.run(["git", "worktree", "remove", "--force", tmp], cwd=ROOT, check=False)
+            shutil.rmtree(tmp, ignore_errors=True)
+    line = {"bench": "pyrepair", "variant": "sandbox", "runs": runs, **_quantiles(ms["current"])}
+    line["sandbox_python"] = python["current"]
+    if baseline:
+        line |= {"baseline_rev": baseline, **_quantiles(ms["baseline"], "baseline_")}
+        line["baseline_sandbox_python"] = python["baseline"]
+        line["ratio_p50_vs_baseline"] = round(
+            line["sandbox_ms_p50"] / line["baseline_sandbox_ms_p50"], 3
+        )
+    return {**line, **machine}
 
 
 def parallel_steps(parallel: int, episodes: int, machine: dict) -> dict:
@@ -269,11 +342,28 @@ def attacks(machine: dict) -> dict:
     }
 
 
+def reward_hacks(machine: dict) -> dict:
+    played = redteam.play_all(max_workers=8)
+    honest = played.pop("honest")
+    failed = sorted(n for n, r in played.items() if not redteam.contained(r))
+    return {
+        "bench": "pyrepair",
+        "variant": "reward_hacks",
+        "attacks": len(played),
+        "attacks_contained": len(played) - len(failed),
+        "not_contained": failed,
+        "flagged": sum(bool(r["flags"]) for r in played.values()),
+        "honest_reward": honest["reward"],
+        **machine,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--episodes", type=int, default=20)
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--parallel-episodes", type=int, default=16)
+    parser.add_argument("--baseline", default=None, help="git rev to time the sandbox against")
     args = parser.parse_args()
     machine = _machine()
     for level in range(len(DIFFICULTIES)):
@@ -281,10 +371,11 @@ def main() -> None:
     for level in range(len(DIFFICULTIES)):
         for line in task_variety(level, machine):
             print(json.dumps(line), flush=True)
-    print(json.dumps(sandbox_timing(args.runs, machine)), flush=True)
+    print(json.dumps(sandbox_timing(args.runs, machine, args.baseline)), flush=True)
     for parallel in (1, 2, 8):
         print(json.dumps(parallel_steps(parallel, args.parallel_episodes, machine)), flush=True)
     print(json.dumps(attacks(machine)), flush=True)
+    print(json.dumps(reward_hacks(machine)), flush=True)
 
 
 if __name__ == "__main__":
