@@ -1,8 +1,9 @@
 """Building and registering the C++ kernels of this package (``*_cpu.cc``) for the XLA FFI.
 
 A kernel is built on first use with the C++ compiler (``$CXX``, default ``c++``) against the FFI
-headers of the installed jaxlib, ``-O3 -march=native`` plus its own flags, into a cache folder
-(``$AGENTRL_KERNEL_CACHE``, default ``$XDG_CACHE_HOME/agentrl_jax/kernels`` or
+headers of the installed jaxlib, ``-O3 -march=$AGENTRL_NATIVE_MARCH`` (default ``native``;
+``x86-64-v3`` builds for any AVX2 machine, as ``make test-any-cpu`` does) plus its own flags,
+into a cache folder (``$AGENTRL_KERNEL_CACHE``, default ``$XDG_CACHE_HOME/agentrl_jax/kernels`` or
 ``~/.cache/agentrl_jax/kernels``) under a name keyed by the source, the flags, the compiler,
 jaxlib and the CPU's feature flags; later processes load the built library. Without a compiler
 (or with ``AGENTRL_NATIVE_KERNELS=0``) ``load`` gives the reason instead, and the kernel's
@@ -23,8 +24,19 @@ from pathlib import Path
 import jax
 import jaxlib
 
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared",
-         "-fPIC")  # fmt: skip
+FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
+
+
+def march() -> str:
+    """The ``-march`` the kernels are built for: ``$AGENTRL_NATIVE_MARCH``, default ``native``.
+
+    Raises:
+      ValueError: the value is empty or holds characters a target name never has.
+    """
+    value = os.environ.get("AGENTRL_NATIVE_MARCH", "native")
+    if not value or not all(c.isalnum() or c in "-_." for c in value):
+        raise ValueError(f"AGENTRL_NATIVE_MARCH={value!r} is not a -march target name")
+    return value
 
 
 def cache_dir() -> Path:
@@ -57,6 +69,7 @@ def build(compiler: str, source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout.splitlines()[0]
+    flags = (*flags, f"-march={march()}")
     include = jax.ffi.include_dir()
     parts = [source.read_text(), " ".join(flags), version, include, jaxlib.__version__,
              _cpu_features()]  # fmt: skip
@@ -91,7 +104,7 @@ def load(source: Path, target: str, symbol: str, build_fn: Callable[[str], Path]
         return f"no C++ compiler {compiler!r} on PATH (set $CXX)"
     try:
         lib = ctypes.cdll.LoadLibrary(str(build_fn(compiler)))
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+    except (OSError, RuntimeError, ValueError, subprocess.CalledProcessError) as e:
         return f"building {source.name} failed: {e}"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return None

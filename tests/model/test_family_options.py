@@ -127,7 +127,10 @@ def test_sink_model_chunked_and_decode_match_teacher_forced():
     logits = jax.jit(model.apply)(params, seq)[0]
     logp = jax.nn.log_softmax(logits[:, 12:-1], -1)
     want = jnp.take_along_axis(logp, seq[:, 13:, None], -1)[..., 0]
-    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(want), atol=2e-5)
+    # float32, two summation orders (the one-row decode against the teacher pass) through four
+    # layers of weights at std ~0.6: the rounding scales with the logprob (up to 7e-6 of it seen
+    # on AVX-512 machines), hence a relative term beside the absolute one
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
 def test_sinks_change_the_output():
