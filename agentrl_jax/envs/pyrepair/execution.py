@@ -15,7 +15,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import marshal
 import pathlib
+import sys
 import threading
 from collections.abc import Sequence
 
@@ -24,6 +26,10 @@ from agentrl_jax.envs.sandbox import Limits, Result, Sandbox
 
 JUDGE = (pathlib.Path(__file__).parent / "judge.py").read_text()
 PLAIN = (pathlib.Path(__file__).parent / "plain.py").read_text()
+# An interpreter of the trainer's Python version runs the judge compiled here (marshal's code
+# format is fixed within a version): compiling it in every run costs more than the run's tests.
+_COMPILED = marshal.dumps(compile(JUDGE, "judge.py", "exec")).hex()
+_BOOT = "import marshal, sys; exec(marshal.loads(bytes.fromhex(sys.argv[1])))"
 SANDBOX_LIMITS = Limits(cpu_s=30, address_space_bytes=1 << 30, n_procs=32, output_bytes=4 << 20)
 
 _default: Sandbox | None = None
@@ -152,7 +158,8 @@ def evaluate_batch(
         "test_timeout_s": test_timeout_s,
         "report": report,
     }
-    argv = ["python", "-I", "-S", "-c", JUDGE, PLAIN]
+    compiled = sandbox.layout.version == sys.version_info[:2]
+    argv = ["python", "-I", "-S", "-c", *((_BOOT, _COMPILED) if compiled else (JUDGE,)), PLAIN]
     stdin = json.dumps(request).encode()
     res = sandbox.run({}, argv, run_timeout_s, stdin=stdin, channel=True)
     return _read(res, jobs, report)

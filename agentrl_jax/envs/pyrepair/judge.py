@@ -1,8 +1,9 @@
 """The judge: runs test modules against a solution that lives in another process.
 
 Executed in the sandbox as a script, never imported: ``execution`` runs ``python -I -S -c
-JUDGE PLAIN`` (``PLAIN``: the source of ``plain.py``, the value codec, which the judge makes a
-module of). Standard library only.
+JUDGE PLAIN`` (or this file compiled on the host, when the versions match; ``PLAIN``, the last
+argument: the source of ``plain.py``, the value codec, which the judge makes a module of).
+Standard library only.
 
 Input (stdin: a memory file only this process reads, never on disk): JSON ``{"jobs": [...],
 "test_timeout_s": float, "report": bool}``, each job ``{"solution": src, "tests": src,
@@ -26,18 +27,16 @@ How the solution is kept from the verdict:
     out of protocol fails the test and is replaced for the next one.
 """
 
-import contextlib
+import _socket
 import ctypes
 import io
 import json
 import linecache
 import os
-import selectors
+import select
 import signal
-import socket
 import struct
 import sys
-import traceback
 import types
 
 CHANNEL_FD = 3
@@ -46,13 +45,15 @@ CAPTURE_BYTES = 4000
 MAX_REPLY_BYTES = 16 << 20
 MAX_NAMES = 10000
 PR_SET_DUMPABLE = 4
-plain = types.ModuleType("plain")  # filled from argv[1] by main()
+plain = types.ModuleType("plain")  # filled from the last argument by main()
 
 
 # -- the worker: the solution's process ----------------------------------------------------
 
 
 def _error_reply(e):
+    import traceback
+
     try:
         message = str(e)[:1000]
     except BaseException:  # noqa: BLE001 - the solution's __str__ may do anything
@@ -97,8 +98,10 @@ def worker_main():
             except BaseException as e:  # noqa: BLE001 - whatever the solution raises is a reply
                 reply = _error_reply(e)
             for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(BaseException):
+                try:
                     stream.flush()
+                except BaseException:  # noqa: BLE001, S110 - the solution may have replaced it
+                    pass
             data = (json.dumps(reply) + "\n").encode()
             while data:
                 data = data[os.write(CHANNEL_FD, data) :]
@@ -113,8 +116,8 @@ def _zygote_main(sock):
     os.closerange(keep + 1, 1 << 16)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
     while True:
-        msg, fds, _, _ = socket.recv_fds(sock, 16, 3)
-        if not msg or len(fds) != 3:
+        fds = _recv_fds(sock, 3)
+        if len(fds) != 3:
             os._exit(0)
         pid = os.fork()
         if pid == 0:
@@ -133,9 +136,22 @@ def _zygote_main(sock):
         sock.sendall(struct.pack("i", pid))
 
 
+def _send_fds(sock, fds):
+    sock.sendmsg([b"w"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack("3i", *fds))])
+
+
+def _recv_fds(sock, n):
+    size = struct.calcsize(f"{n}i")
+    msg, ancillary, _, _ = sock.recvmsg(16, _socket.CMSG_SPACE(size))
+    for level, kind, data in ancillary:
+        if msg and level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            return list(struct.unpack(f"{len(data) // 4}i", data[: len(data) // 4 * 4]))
+    return []
+
+
 def start_zygote():
     """Forks the zygote (before this process has read anything); returns its socket."""
-    ours, theirs = socket.socketpair()
+    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
     if os.fork() == 0:
         ours.close()
         try:
@@ -188,7 +204,7 @@ class Worker:
         req_r, self.req = os.pipe()
         self.out, out_w = os.pipe()
         self.rep, rep_w = os.pipe()
-        socket.send_fds(zygote, [b"w"], [req_r, out_w, rep_w])
+        _send_fds(zygote, [req_r, out_w, rep_w])
         for fd in (req_r, out_w, rep_w):
             os.close(fd)
         data = b""
@@ -207,31 +223,32 @@ class Worker:
             raise SolutionExited("the solution's process has ended")
         self.busy = True
         pending = memoryview((json.dumps(msg) + "\n").encode())
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.out, selectors.EVENT_READ)
-            sel.register(self.rep, selectors.EVENT_READ)
-            sel.register(self.req, selectors.EVENT_WRITE)
-            while b"\n" not in self.buf:
-                for key, _ in sel.select():
-                    if key.fd == self.req:
-                        try:
-                            pending = pending[os.write(self.req, pending[:65536]) :]
-                        except BrokenPipeError:
-                            raise SolutionExited("the solution's process has ended") from None
-                        if not pending:
-                            sel.unregister(self.req)
-                    elif key.fd == self.out:
-                        self._drain()
-                        if not self.output_open:
-                            sel.unregister(self.out)
-                    else:
-                        chunk = os.read(self.rep, 65536)
-                        if not chunk:
-                            self.dead = True
-                            raise SolutionExited("the solution's process ended before answering")
-                        self.buf += chunk
-                        if len(self.buf) > MAX_REPLY_BYTES:
-                            raise BadReply(f"a reply of more than {MAX_REPLY_BYTES} bytes")
+        poll = select.poll()
+        poll.register(self.rep, select.POLLIN)
+        poll.register(self.req, select.POLLOUT)
+        if self.output_open:
+            poll.register(self.out, select.POLLIN)
+        while b"\n" not in self.buf:
+            for fd, _ in poll.poll():
+                if fd == self.req:
+                    try:
+                        pending = pending[os.write(self.req, pending[:65536]) :]
+                    except BrokenPipeError:
+                        raise SolutionExited("the solution's process has ended") from None
+                    if not pending:
+                        poll.unregister(self.req)
+                elif fd == self.out:
+                    self._drain()
+                    if not self.output_open:
+                        poll.unregister(self.out)
+                else:
+                    chunk = os.read(self.rep, 65536)
+                    if not chunk:
+                        self.dead = True
+                        raise SolutionExited("the solution's process ended before answering")
+                    self.buf += chunk
+                    if len(self.buf) > MAX_REPLY_BYTES:
+                        raise BadReply(f"a reply of more than {MAX_REPLY_BYTES} bytes")
         line, _, self.buf = self.buf.partition(b"\n")
         self.busy = False
         try:
@@ -251,18 +268,20 @@ class Worker:
             self.output += chunk[:room]
 
     def take_output(self):
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.out, selectors.EVENT_READ)
-            while self.output_open and sel.select(0):
-                self._drain()
+        poll = select.poll()
+        poll.register(self.out, select.POLLIN)
+        while self.output_open and poll.poll(0):
+            self._drain()
         text = self.output.decode("utf-8", errors="replace")
         self.output = bytearray()
         return text
 
     def kill(self):
         for kill in (os.killpg, os.kill):
-            with contextlib.suppress(OSError):
+            try:
                 kill(self.pid, signal.SIGKILL)
+            except OSError:
+                pass
         self.close()
 
     def close(self):
@@ -334,12 +353,16 @@ def _alarm(signum, frame):
     raise TestTimeout("test took longer than its time limit")
 
 
-@contextlib.contextmanager
-def deadline(seconds):
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
+class deadline:  # noqa: N801 - used as a context manager, like contextlib's
+    """``SIGALRM`` (``TestTimeout``) after ``seconds`` unless the block ends first."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __enter__(self):
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+
+    def __exit__(self, *exc):
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
@@ -354,6 +377,8 @@ def _load(name, source, filename):
 
 def _short_tb(e, test_file, limit):
     """pytest ``--tb=short`` style: the test's frames, the solution's, ``E   Class: message``."""
+    import traceback
+
     out = []
     for frame in traceback.extract_tb(e.__traceback__):
         if frame.filename == test_file:
@@ -374,6 +399,7 @@ def _short_tb(e, test_file, limit):
 def _assert_detail(e, limit):
     """``assert <left> <op> <right>`` with the values of a failed comparison, when simple."""
     import ast
+    import traceback
 
     tb = e.__traceback__
     while tb.tb_next is not None:
@@ -436,8 +462,11 @@ def run_job(job, zygote, limit, report):
             with deadline(limit):
                 if session.broken:
                     session.start()
-                with contextlib.redirect_stdout(captured):
+                stdout, sys.stdout = sys.stdout, captured
+                try:
                     f()
+                finally:
+                    sys.stdout = stdout
             outcome = "passed"
         except BaseException as e:  # noqa: BLE001 - a test's failure of any kind is its result
             outcome = "failed" if isinstance(e, AssertionError) else "error"
@@ -457,7 +486,7 @@ def run_job(job, zygote, limit, report):
 
 
 def main():
-    exec(compile(sys.argv[1], "plain.py", "exec"), plain.__dict__)
+    exec(compile(sys.argv[-1], "plain.py", "exec"), plain.__dict__)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         sys.exit("judge: cannot make itself non-dumpable")
@@ -471,6 +500,7 @@ def main():
     data = json.dumps(results).encode()
     while data:
         data = data[os.write(CHANNEL_FD, data) :]
+    os._exit(0)  # nothing left to run: skip the interpreter's teardown (the run's latency)
 
 
 if __name__ == "__main__":
