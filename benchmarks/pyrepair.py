@@ -9,9 +9,10 @@ Prints one JSON line per measurement (``variant``):
     ``sites_heldout``, the number of single-bug mutation sites (before sandbox validation);
   * ``sandbox``: ``sandbox_ms_p50`` / ``sandbox_ms_p99`` of one ``run_tests`` (a sandboxed
     pytest-style run of the visible tests: minimal root, judge and solution worker), over
-    ``runs`` distinct solutions; with ``--baseline REV`` the same runs of that commit's tree
-    (a temporary ``git worktree``), timed in alternating rounds, as ``baseline_*`` and
-    ``ratio_p50_vs_baseline``;
+    ``runs`` distinct solutions, and ``bare_ms_p50`` of ``python -c pass`` in the sandbox;
+    with ``--baseline REV`` the same of that commit's tree (a temporary ``git worktree``,
+    ``baseline_*``) and of this tree on the baseline's interpreter (``same_python_*``), timed
+    in alternating rounds, and ``ratio_p50_vs_baseline`` / ``same_python_ratio_p50_vs_baseline``;
   * ``parallel`` (one per ``parallel`` in 1, 2, 8): ``env_steps_per_s`` of expert episodes
     played by that many threads, one environment each, sharing the sandbox;
   * ``attacks``: ``attacks_contained`` of ``attacks`` (socket to a 127.0.0.1 listener, writes
@@ -141,24 +142,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the tree on PYTHONPATH; prints the milliseconds and the sandbox's interpreter.
 _TIMER = """
 import json, sys, time
-from agentrl_jax.envs.pyrepair.execution import Job, default_sandbox, evaluate
-jobs = [Job(*j) for j in json.load(sys.stdin)]
-sandbox = default_sandbox()
-evaluate(sandbox, jobs[0], test_timeout_s=1.0, run_timeout_s=30, report=True)  # warm-up
-ms = []
-for job in jobs:
-    t0 = time.perf_counter()
+from agentrl_jax.envs.pyrepair.execution import SANDBOX_LIMITS, Job, evaluate
+from agentrl_jax.envs.sandbox import Sandbox
+request = json.load(sys.stdin)
+jobs = [Job(*j) for j in request["jobs"]]
+sandbox = Sandbox(SANDBOX_LIMITS, python=request["python"])
+def run(job):
     evaluate(sandbox, job, test_timeout_s=1.0, run_timeout_s=30, report=True)
-    ms.append((time.perf_counter() - t0) * 1e3)
-print(json.dumps({"ms": ms, "python": sandbox.python}))
+def bare(job):
+    sandbox.run({}, ["python", "-I", "-S", "-c", "pass"], 30)
+out = {"python": sandbox.python}
+for name, fn in (("ms", run), ("bare_ms", bare)):
+    fn(jobs[0])  # warm-up
+    out[name] = []
+    for job in jobs:
+        t0 = time.perf_counter()
+        fn(job)
+        out[name].append((time.perf_counter() - t0) * 1e3)
+print(json.dumps(out))
 """
 
 
-def _timed(tree: str, jobs: list) -> dict:
+def _timed(tree: str, jobs: list, python: str | None) -> dict:
+    """Times report runs of ``jobs`` (and bare runs of ``python -c pass``) with the package of
+    ``tree``, in a subprocess."""
     env = {**os.environ, "PYTHONPATH": tree, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run(
         [sys.executable, "-c", _TIMER],
-        input=json.dumps(jobs),
+        input=json.dumps({"jobs": jobs, "python": python}),
         capture_output=True,
         text=True,
         cwd=tree,
@@ -179,9 +190,12 @@ def _quantiles(ms: list[float], prefix: str = "") -> dict:
 
 
 def sandbox_timing(runs: int, machine: dict, baseline: str | None, rounds: int = 5) -> dict:
+    """``run_tests``-style report runs of ``runs`` level-0 tasks; with ``baseline``, the same
+    runs of that commit's tree and of this tree on the baseline's interpreter, the three timed
+    in alternating rounds (``baseline_*``, ``same_python_*``)."""
     tasks = [make_task(seed, 0) for seed in range(runs)]
     jobs = [[t.solution, t.visible_tests, t.n_visible] for t in tasks]
-    trees = {"current": ROOT}
+    arms: dict[str, list] = {"": [ROOT, None]}
     tmp = None
     if baseline:
         tmp = tempfile.mkdtemp(prefix="agentrl-baseline-")
@@ -191,29 +205,33 @@ def sandbox_timing(runs: int, machine: dict, baseline: str | None, rounds: int =
             check=True,
             capture_output=True,
         )
-        trees["baseline"] = tmp
-    ms: dict[str, list[float]] = {k: [] for k in trees}
-    python: dict[str, str] = {}
+        arms["baseline_"] = [tmp, None]
+        arms["same_python_"] = [ROOT, None]  # the baseline's interpreter, once known
+    got: dict[str, dict] = {k: {"ms": [], "bare_ms": []} for k in arms}
     try:
-        for r in range(rounds):  # alternate the trees, so load on the machine hits both
-            chunk = jobs[r::rounds]
-            for name, tree in trees.items():
-                got = _timed(tree, chunk)
-                ms[name] += got["ms"]
-                python[name] = got["python"]
+        for r in range(rounds):  # alternate the arms, so load on the machine hits all alike
+            for prefix, (tree, python) in arms.items():
+                if prefix == "same_python_":
+                    python = got["baseline_"]["python"]
+                out = _timed(tree, jobs[r::rounds], python)
+                got[prefix]["python"] = out["python"]
+                got[prefix]["ms"] += out["ms"]
+                got[prefix]["bare_ms"] += out["bare_ms"]
     finally:
         if tmp is not None:
             subprocess.run(["git", "worktree", "remove", "--force", tmp], cwd=ROOT, check=False)
             shutil.rmtree(tmp, ignore_errors=True)
-    line = {"bench": "pyrepair", "variant": "sandbox", "runs": runs, **_quantiles(ms["current"])}
-    line["sandbox_python"] = python["current"]
+    line = {"bench": "pyrepair", "variant": "sandbox", "runs": runs}
+    for prefix, g in got.items():
+        line |= _quantiles(g["ms"], prefix)
+        line[f"{prefix}bare_ms_p50"] = round(statistics.median(g["bare_ms"]), 1)
+        line[f"{prefix}sandbox_python"] = g["python"]
     if baseline:
-        line |= {"baseline_rev": baseline, **_quantiles(ms["baseline"], "baseline_")}
-        line["baseline_sandbox_python"] = python["baseline"]
-        line["ratio_p50_vs_baseline"] = round(
-            line["sandbox_ms_p50"] / line["baseline_sandbox_ms_p50"], 3
-        )
-    return {**line, **machine}
+        line["baseline_rev"] = baseline
+        for prefix in ("", "same_python_"):
+            ratio = line[f"{prefix}sandbox_ms_p50"] / line["baseline_sandbox_ms_p50"]
+            line[f"{prefix}ratio_p50_vs_baseline"] = round(ratio, 3)
+    return {**line, **{k: v for k, v in machine.items() if k != "sandbox_python"}}
 
 
 def parallel_steps(parallel: int, episodes: int, machine: dict) -> dict:
