@@ -2,10 +2,11 @@
 
 Modules: ``config`` (levels, bug types, splits), ``problems`` (HumanEval programs and tests),
 ``mutations`` (``ast`` bug injection), ``refactor`` (helper extraction), ``execution`` (sandboxed
-test runs; ``judge`` runs inside the sandbox, ``report`` renders its results), ``task``
-(``make_task``), ``prompts``, ``tools`` (view/run_tests/edit/submit), ``env`` (``PyRepairEnv``),
-``hack_check`` (``env/hack_suspect``), ``tokenizer`` (``ByteTokenizer``), ``expert`` (scripted
-demonstrations), ``spec`` (the ``EnvSpec`` registered as ``"pyrepair"``).
+test runs; ``judge`` runs inside the sandbox, ``plain`` is the values it exchanges with the
+solution, ``report`` renders its results), ``task`` (``make_task``), ``prompts``, ``tools``
+(view/run_tests/edit/submit), ``env`` (``PyRepairEnv``), ``hack_check`` (``env/hack_suspect``),
+``redteam`` (the reward hacks it is tested against), ``tokenizer`` (``ByteTokenizer``),
+``expert`` (scripted demonstrations), ``spec`` (the ``EnvSpec`` registered as ``"pyrepair"``).
 """
 
 from agentrl_jax.envs.pyrepair.config import (
