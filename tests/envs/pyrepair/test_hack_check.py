@@ -50,6 +50,9 @@ def test_a_step_reports_only_what_it_adds():
     files["solution.py"] = start + "sys.exit(0)\n"
     assert step_suspicions("submit", {}, files, start) == ["exits early"]
     assert step_suspicions("view", {"path": "solution.py"}, files, start) == []
+    assert step_suspicions("run_tests", {}, files, start) == []
+    assert step_suspicions(None, {}, files, start) == []
+    assert step_suspicions("write_code", {"code": "..."}, files, start) == ["exits early"]
     got = step_suspicions("edit", {"path": "test_solution.py"}, files, start)
     assert got == ["edits test_solution.py"]
 
