@@ -9,7 +9,10 @@ schemas and the first user message with the family's chat template plus the gene
 follows the assistant turn (the tool-response turn, then the next generation prompt), tokenised
 on its own.
 
-A turn without a well-formed call is answered as a user message naming the problem.
+A turn without a well-formed call is answered as a user message naming the problem. A
+code-acting environment (one whose ``code_action`` names a tool) takes the turn's first fenced
+code block as that tool's call instead (``tool_calls.code_call``): the assistant turn stays the
+model's text and the observation comes back as a user message.
 
 Token in, token out: the model's action ids are never re-tokenised; only observation text is
 encoded. It starts right after the end marker of the assistant turn (for ChatML the ``\n``
@@ -28,7 +31,7 @@ from typing import Any
 from agentrl_jax.envs.base import StepResult, TextEnv
 from agentrl_jax.envs.coderepair.text import call_from_words
 from agentrl_jax.hf.tokenizer import HFTokenizer
-from agentrl_jax.hf.tool_calls import HarmonyToolCalls, QwenToolCalls, check_call
+from agentrl_jax.hf.tool_calls import HarmonyToolCalls, QwenToolCalls, check_call, code_call
 
 _SENTINEL = "REPLY0x5f3759df"  # stands for a reply's content while the cut is located
 
@@ -61,13 +64,14 @@ class ChatEnv:
     ):
         self.inner, self.tokenizer = inner, tokenizer
         self.fmt = fmt or tokenizer.fmt
-        self.tools = [spec.as_json() for spec in inner.tool_specs]
+        self.tools: list[dict[str, Any]] = []
         self.messages: list[dict[str, Any]] = []
         self.last_call = None
 
     def reset(self, task: Any) -> list[int]:
         """Starts ``task``; returns the prompt ids (system + tools + user + generation prompt)."""
         system, user = self.inner.reset_text(task)
+        self.tools = [spec.as_json() for spec in self.inner.tool_specs]  # the task's level's
         self.messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         text = self.tokenizer.render(self.messages, self.tools, add_generation_prompt=True)
         return self.tokenizer.encode(text)
@@ -82,7 +86,8 @@ class ChatEnv:
             raise RuntimeError("step() needs reset() first")
         tok, fmt = self.tokenizer, self.fmt
         text = tok.decode(action_tokens)
-        call = fmt.parse(text)
+        code_tool = getattr(self.inner, "code_action", None)
+        call = code_call(text, code_tool) if code_tool else fmt.parse(text)
         error = check_call(call, self.inner.tool_specs)
         if error is None:
             obs_text, result = self.inner.step_call(call.name, call.arguments)
@@ -90,8 +95,9 @@ class ChatEnv:
             obs_text, result = self.inner.step_call(None, None, error)
         self.last_call = call
         ok = error is None
-        assistant = _assistant_message(call.name if ok else None, call.arguments, text)
-        if ok:
+        as_call = ok and not code_tool
+        assistant = _assistant_message(call.name if as_call else None, call.arguments, text)
+        if as_call:
             reply = {"role": "tool", "name": call.name, "content": obs_text}
         else:
             reply = {"role": "user", "content": obs_text}
@@ -127,22 +133,31 @@ class ChatEnv:
 
 
 class ChatExpertPolicy:
-    """A scripted word-level expert (``coderepair.ExpertPolicy``) speaking a chat model's format.
+    """A scripted expert speaking a chat model's format: SFT demonstrations for a chat model.
 
-    Each turn's word call (``<call> words </call>`` in the expert's own tokenizer) becomes the
-    structured call of ``coderepair.text.call_from_words``, rendered as the family's tool call
-    and encoded with the chat tokenizer: SFT demonstrations for a chat model.
+    The expert's ``plan`` is replayed turn by turn: a call ``(name, arguments)`` (the Python
+    repair expert's) as it is, a word tuple (the mini-language expert's) through
+    ``coderepair.text.call_from_words``. A call of ``code_tool`` (a code-acting environment's
+    tool) is written as a fenced code block, any other call in the family's tool-call format,
+    and encoded with the chat tokenizer.
 
     Args:
-      expert: the word-level policy (its ``plan`` of word tuples is replayed).
+      expert: the scripted policy (its ``plan`` is replayed).
       tokenizer: the chat model's tokenizer.
+      code_tool: the tool whose calls are fenced code blocks (``ChatEnv``'s ``code_action``).
     """
 
-    def __init__(self, expert, tokenizer: HFTokenizer):
-        self.tokenizer, self.turn = tokenizer, 0
-        self.calls = [call_from_words(words) for words in expert.plan]
+    def __init__(self, expert, tokenizer: HFTokenizer, code_tool: str | None = None):
+        self.tokenizer, self.turn, self.code_tool = tokenizer, 0, code_tool
+        self.calls = [step if _is_call(step) else call_from_words(step) for step in expert.plan]
 
     def __call__(self, stream: list[int]) -> list[int]:
         name, args = self.calls[min(self.turn, len(self.calls) - 1)]
         self.turn += 1
+        if name == self.code_tool:
+            return self.tokenizer.encode(f"```python\n{args['code']}```")
         return self.tokenizer.encode(self.tokenizer.fmt.render_call(name, args))
+
+
+def _is_call(step) -> bool:
+    return len(step) == 2 and isinstance(step[0], str) and isinstance(step[1], dict)

@@ -13,6 +13,8 @@
 
 ``parse`` returns a :class:`ParsedCall` whose ``error`` names the problem when the turn holds no
 well-formed call (the environment answers with an error observation; the episode goes on).
+:func:`code_call` reads the other action form, a fenced code block (code-acting environments:
+the block is the argument of one tool), in every family.
 :func:`validate_arguments` checks parsed arguments against a tool's JSON schema.
 """
 
@@ -166,6 +168,19 @@ class HarmonyToolCalls:
         body = json.dumps(dict(arguments), ensure_ascii=False)
         header = f"<|channel|>commentary to=functions.{name} <|constrain|>json"
         return f"{header}<|message|>{body}<|call|>"
+
+
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S | re.I)
+
+
+def code_call(text: str, tool: str) -> ParsedCall:
+    """The first fenced code block of a turn (```` ```python ```` or a bare fence; a block the
+    turn left open runs to its end) as a call of ``tool`` with argument ``code``; an error
+    naming the expected form when the turn has none or it is empty."""
+    m = _FENCE.search(text)
+    if m is None or not m.group(1).strip():
+        return _bad("no ```python code block in the reply")
+    return ParsedCall(tool, {"code": m.group(1)})
 
 
 FORMATS = {

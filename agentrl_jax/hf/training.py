@@ -92,10 +92,10 @@ def tokenizer(hf_path: str) -> HFTokenizer:
 
 
 class _ChatExpert(ChatExpertPolicy):
-    """``ChatExpertPolicy`` that keeps the word-level expert's deliberate detours."""
+    """``ChatExpertPolicy`` that keeps the scripted expert's deliberate detours."""
 
-    def __init__(self, expert, tok: HFTokenizer):
-        super().__init__(expert, tok)
+    def __init__(self, expert, tok: HFTokenizer, code_tool: str | None):
+        super().__init__(expert, tok, code_tool)
         self.detour_turns = getattr(expert, "detour_turns", frozenset())
         self.guess_turns = getattr(expert, "guess_turns", frozenset())
 
@@ -116,13 +116,15 @@ def chat_env(base: EnvSpec, hf_path: str) -> EnvSpec:
         return ChatEnv(base.env(inner_tok), tok)
 
     def expert(task: Any, tok: HFTokenizer, **options):
-        word_expert = base.expert(task, inner_tok, **options)
-        if not hasattr(word_expert, "plan"):
+        scripted = base.expert(task, inner_tok, **options)
+        if not hasattr(scripted, "plan"):
             raise ValueError(
-                f"env={base.name!r}: its scripted expert has no word-level plan to render as a "
-                "chat model's tool calls (SFT demonstrations need one; set train.sft=False)"
+                f"env={base.name!r}: its scripted expert has no plan of calls to render as a "
+                "chat model's turns (SFT demonstrations need one; set train.sft=False)"
             )
-        return _ChatExpert(word_expert, tok)
+        inner = base.env(inner_tok)
+        inner.reset_text(task)  # the task's level decides whether calls are code blocks
+        return _ChatExpert(scripted, tok, getattr(inner, "code_action", None))
 
     return dataclasses.replace(
         base, tokenizer=lambda: tokenizer(hf_path), env=make_env, expert=expert

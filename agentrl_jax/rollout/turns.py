@@ -16,6 +16,8 @@ int8 page and converted (cached length > the decision position).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from agentrl_jax.envs.base import StepResult
@@ -54,7 +56,7 @@ def turn_log(
         episode=rec.uid,
         turn=slot.turn,
         tool=res.log.get("tool", ""),
-        args=list(res.log.get("args", ())),
+        args=_args(res.log.get("args", ())),
         output=res.log.get("output", ""),
         error=bool(res.log.get("error", False)),
         process=dict(res.process),
@@ -69,6 +71,12 @@ def turn_log(
         prefill_tokens=prefill_tokens,
         goal_reinjected=goal_reinjected,
     )
+
+
+def _args(args) -> dict | list:
+    """A call's arguments as logged: a JSON-call environment's dict whole, else a list (the
+    mini-language's words)."""
+    return dict(args) if isinstance(args, Mapping) else list(args)
 
 
 def record_outcome(rec: EpisodeRecord, res: StepResult) -> None:

@@ -2,20 +2,28 @@
 
 Difficulty levels (``difficulty_config(level)``):
 
-====  ====  =======================  ==============  =========
-lvl   bugs  where                    program shown   max turns
-====  ====  =======================  ==============  =========
-0     1     the tested function      yes             10
-1     2     the tested function      yes             14
-2     1     one of up to 3 helpers   no (``view``)   14
-====  ====  =======================  ==============  =========
+====  ====  =======================  ==============  =========  ========
+lvl   bugs  where                    program shown   max turns  problems
+====  ====  =======================  ==============  =========  ========
+0     1     the tested function      yes             10         HumanEval
+1     2     the tested function      yes             14         HumanEval
+2     1     one of up to 3 helpers   no (``view``)   14         HumanEval
+3     1     the tested function      yes, + failure  3          basics
+====  ====  =======================  ==============  =========  ========
 
 At level 2 parts of the tested function are moved into helper functions (each checked to keep
 every test passing) and the bug is put in one of them: the failing test points at the tested
 function, the model must find the helper.
 
-Split: HumanEval problems whose index is ``4 mod 5`` are held out (never trained on); seeds
-``[0, HELDOUT_SEED_START)`` draw train problems, ``[HELDOUT_SEED_START, MAX_SEED)`` held-out ones.
+Level 3 is sized for a small pretrained chat model (``basics.py``: short beginner-style
+functions with a one-line docstring). The first message shows the function and the failing
+visible test's output; the action is the whole corrected program (``code_action``: the tool
+``write_code``, which a chat model calls by writing a fenced code block), which replaces
+``solution.py`` and runs the visible tests; once they all pass the program is submitted.
+
+Split: problems (HumanEval or basic) whose index is ``4 mod 5`` are held out (never trained
+on); seeds ``[0, HELDOUT_SEED_START)`` draw train problems, ``[HELDOUT_SEED_START, MAX_SEED)``
+held-out ones.
 Two-bug tasks whose types contain ``HELDOUT_COMBO`` are drawn only for held-out seeds.
 """
 
@@ -38,6 +46,7 @@ HELDOUT_SEED_START = 1_000_000
 MAX_SEED = 2_000_000
 HELDOUT_EVERY = 5  # problem index % 5 == 4 -> held out
 SPLITS = ("train", "heldout")
+SOURCES = ("humaneval", "basics")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +66,10 @@ class EnvConfig:
       max_file_chars: largest file an ``edit`` may produce, 1000..1000000.
       test_timeout_s: wall-clock limit of one test inside a run, in (0, 60].
       run_timeout_s: wall-clock limit of one sandboxed test run, in (0, 600].
+      source: where problems come from: ``'humaneval'`` or ``'basics'`` (``basics.py``).
+      show_failure: the first message shows the failing visible test's output.
+      code_action: the one tool is ``write_code(code)`` (module docstring) instead of
+        view / run_tests / edit / submit.
     """
 
     n_bugs: int = 1
@@ -70,6 +83,9 @@ class EnvConfig:
     max_file_chars: int = 20000
     test_timeout_s: float = 1.0
     run_timeout_s: float = 30.0
+    source: str = "humaneval"
+    show_failure: bool = False
+    code_action: bool = False
 
     def __post_init__(self):
         _check("n_bugs", self.n_bugs, 1, 3)
@@ -85,6 +101,10 @@ class EnvConfig:
             raise ValueError(f"test_timeout_s={self.test_timeout_s} must be in (0, 60]")
         if not 0 < self.run_timeout_s <= 600:
             raise ValueError(f"run_timeout_s={self.run_timeout_s} must be in (0, 600]")
+        if self.source not in SOURCES:
+            raise ValueError(f"source={self.source!r} must be one of {SOURCES}")
+        if self.code_action and not self.show_program:
+            raise ValueError("code_action needs show_program (the agent cannot view files)")
 
 
 def _check(name: str, value: int, lo: int, hi: int) -> None:
@@ -96,6 +116,7 @@ DIFFICULTIES: tuple[EnvConfig, ...] = (
     EnvConfig(n_bugs=1, max_turns=10),
     EnvConfig(n_bugs=2, max_turns=14),
     EnvConfig(n_bugs=1, n_helpers=3, bug_in_helper=True, show_program=False, max_turns=14),
+    EnvConfig(n_bugs=1, max_turns=3, source="basics", show_failure=True, code_action=True),
 )
 BUGS_PER_DIFFICULTY = tuple(c.n_bugs for c in DIFFICULTIES)
 

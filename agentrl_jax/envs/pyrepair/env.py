@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agentrl_jax.envs.base import StepResult, ToolError
-from agentrl_jax.envs.pyrepair import tools
+from agentrl_jax.envs.pyrepair import prompts, tools
 from agentrl_jax.envs.pyrepair.execution import Evaluation, Job, default_sandbox, evaluate_batch
 from agentrl_jax.envs.pyrepair.hack_check import step_suspicions
 from agentrl_jax.envs.pyrepair.problems import SOLUTION_FILE
@@ -71,8 +71,6 @@ class PyRepairEnv:
         created on first use).
     """
 
-    tool_specs = tools.TOOL_SPECS
-
     def __init__(self, tokenizer: ByteTokenizer | None = None, *, sandbox: Sandbox | None = None):
         self.tokenizer = tokenizer or ByteTokenizer()
         self._sandbox = sandbox
@@ -82,6 +80,20 @@ class PyRepairEnv:
         self._evals: dict[tuple[str, str, bool], Evaluation] = {}
         self._rejected: set[str] = set()
         self._versions: set[tuple[str, ...]] = set()
+
+    @property
+    def tool_specs(self) -> tuple:
+        """The tools of the current task's level (``tools.specs_for``; before ``reset``, the
+        four of the tool levels)."""
+        return tools.specs_for(self.state.task.config) if self.state else tools.TOOL_SPECS
+
+    @property
+    def code_action(self) -> str | None:
+        """The tool a chat model calls by writing a fenced code block (``write_code`` at a
+        code-action level), else None."""
+        if self.state is not None and self.state.task.config.code_action:
+            return tools.CODE_TOOL_SPECS[0].name
+        return None
 
     @property
     def sandbox(self) -> Sandbox:
@@ -121,6 +133,8 @@ class PyRepairEnv:
         log: dict[str, Any] = {"tool": name or "", "args": arguments, "error": True}
         if name is None:
             text = f"error: {error or 'no tool call'}"
+            if self.code_action:
+                text += f"\n{prompts.CODE_REPLY}"
         else:
             before = st.files[SOLUTION_FILE]
             try:
@@ -156,9 +170,12 @@ class PyRepairEnv:
         return text, StepResult(done=self.done, outcome_reward=outcome, process=process, log=log)
 
     def _dispatch(self, name: str, arguments: dict[str, Any]) -> str:
-        if name not in tools.TOOL_NAMES:
-            raise ToolError(f"unknown tool {name!r}; tools: {', '.join(tools.TOOL_NAMES)}")
+        names = [s.name for s in self.tool_specs]
+        if name not in names:
+            raise ToolError(f"unknown tool {name!r}; tools: {', '.join(names)}")
         tools.check_arguments(name, arguments)
+        if name == "write_code":
+            return tools.write_code(self.state, arguments, self._run)
         if name == "view":
             return tools.view(self.state, arguments)
         if name == "edit":

@@ -6,6 +6,8 @@ produced:
 
     [view solution.py] -> run_tests -> fix the last bug -> run_tests -> ... -> submit
 
+At a code-action level it writes the repaired program at once (``write_code``).
+
 ``view`` comes first when the first message does not show the program. Bugs are fixed from the
 bottom of the file up, so the line numbers of the ones above stay valid. A fix replaces the
 buggy text by exact string (``edit(path, old, new)``) when that text occurs once in the file,
@@ -42,6 +44,8 @@ def fix_call(solution: str, m: Mutation) -> Call:
 
 def expert_calls(task: Task) -> list[Call]:
     """The expert's tool calls ``(name, arguments)`` for ``task``, in order."""
+    if task.config.code_action:  # the whole repaired program in one write
+        return [("write_code", {"code": task.reference})]
     calls: list[Call] = []
     if not task.config.show_program:
         calls.append(("view", {"path": SOLUTION_FILE}))

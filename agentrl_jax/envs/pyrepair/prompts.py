@@ -10,6 +10,7 @@ from typing import Any
 from agentrl_jax.envs.pyrepair.problems import SOLUTION_FILE, TEST_FILE
 
 CALL_FORMAT = '<call>{"name": TOOL, "arguments": {...}}</call>'
+CODE_REPLY = "Reply with the whole corrected function in one ```python code block."
 
 
 def numbered(text: str, start: int = 1, end: int | None = None) -> str:
@@ -26,9 +27,31 @@ def n_lines(text: str) -> int:
     return len(text.split("\n")) - (1 if text.endswith("\n") else 0)
 
 
+def failure_excerpt(report: str) -> str:
+    """The first failure of a pytest-style report (``report.render``): its traceback lines up to
+    the next test's header; the report's last line when it shows no failure."""
+    lines = report.split("\n")
+    heads = [i for i, line in enumerate(lines) if line.startswith("_") and line.endswith("_")]
+    if not heads:
+        return lines[-1].strip("= ") if lines else ""
+    block = []
+    for line in lines[heads[0] + 1 :]:
+        if (line.startswith("_") and line.endswith("_")) or line.startswith("="):
+            break
+        block.append(line)
+    return "\n".join(block).strip("\n")
+
+
 def system_prompt(task: Any) -> str:
     """Goal, constraints, tools and limits of a ``task.Task``, stated once at the start."""
     cfg = task.config
+    if cfg.code_action:
+        return (
+            f"You fix bugs in Python functions. Goal: make every test of `{task.entry_point}` "
+            f"pass, the visible tests and {task.n_hidden} hidden tests. Keep its name and "
+            f"parameters (`{task.signature}`). Your code block replaces {SOLUTION_FILE} and the "
+            f"tests run. You have {cfg.max_turns} tries."
+        )
     return "\n".join(
         [
             "You repair a small Python repository with tools, one tool call per turn.",
@@ -51,7 +74,13 @@ def system_prompt(task: Any) -> str:
 
 
 def user_prompt(task: Any) -> str:
-    """The request: which function fails, the files, and the program when the level shows it."""
+    """The request: which function fails, the files, and the program when the level shows it
+    (at a ``code_action`` level: the function, its failing test and the reply's form)."""
+    if task.config.code_action:
+        return (
+            f"The function `{task.entry_point}` has a bug.\n```python\n{task.solution}```\n"
+            f"A failing test:\n```\n{failure_excerpt(task.failure)}\n```\n{CODE_REPLY}"
+        )
     lines = [
         f"Task {task.problem}: the tests of `{task.entry_point}` fail. Fix {SOLUTION_FILE}.",
         f"Files: {SOLUTION_FILE} ({n_lines(task.solution)} lines), {TEST_FILE} "

@@ -13,7 +13,8 @@ sandbox,
   * with several bugs, each bug alone fails at least one test (no bug is a no-op).
 
 Up to ``CANDIDATES`` mutations are validated in one sandboxed batch. Built tasks are cached in
-memory (``functools.lru_cache``), so the sandbox work is paid once per task and process.
+memory (``functools.lru_cache``), so the sandbox work is paid once per task and process. A level
+with ``show_failure`` also records the visible tests' report on the buggy program (``failure``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import functools
 import random
 from typing import NamedTuple
 
+from agentrl_jax.envs.pyrepair.basics import basic_problems_of_split
 from agentrl_jax.envs.pyrepair.config import (
     BUG_TYPES,
     EnvConfig,
@@ -95,6 +97,8 @@ class Task:
       visible_tests: ``test_solution.py`` (shown, editable, not to be edited).
       hidden_tests: ``test_hidden.py`` (never shown; decides the outcome with the visible ones).
       n_visible, n_hidden: number of tests in each.
+      failure: with ``config.show_failure``, the report of the visible tests on ``solution``
+        (``prompts.failure_excerpt`` shows its failures); else empty.
     """
 
     seed: int
@@ -112,6 +116,7 @@ class Task:
     hidden_tests: str
     n_visible: int
     n_hidden: int
+    failure: str = ""
 
     @property
     def bugs(self) -> tuple[Mutation, ...]:
@@ -189,7 +194,7 @@ def _build(seed: int, difficulty: int, bug_types: tuple[str, ...] | None) -> Tas
     types = bug_types
     while types is None or (split == "train" and bug_types is None and is_heldout_combo(types)):
         types = tuple(rng.choice(BUG_TYPES) for _ in range(cfg.n_bugs))
-    problems = problems_of_split(split)
+    problems = (basic_problems_of_split if cfg.source == "basics" else problems_of_split)(split)
     start = seed % len(problems)
     for j in range(len(problems)):
         problem = problems[(start + j) % len(problems)]
@@ -285,6 +290,7 @@ def _try_problem(problem, types, cfg, rng, seed, difficulty, split) -> Task | No
                 Mutation(s.bug_type, s.function, line, b, f, s.description)
                 for s, (line, b, f) in zip(ordered, c.hunks)
             )
+            failure = _failure_report(c.buggy, visible, n_vis, cfg) if cfg.show_failure else ""
             return Task(
                 seed=seed,
                 difficulty=difficulty,
@@ -301,8 +307,16 @@ def _try_problem(problem, types, cfg, rng, seed, difficulty, split) -> Task | No
                 hidden_tests=render_tests(problem, range(n_vis, n_all), first_number=n_vis + 1),
                 n_visible=n_vis,
                 n_hidden=n_all - n_vis,
+                failure=failure,
             )
     return None
+
+
+def _failure_report(buggy: str, visible: str, n_vis: int, cfg: EnvConfig) -> str:
+    """The report of the visible tests on the buggy program (what ``run_tests`` would show)."""
+    job = Job(buggy, visible, n_vis)
+    kw = dict(test_timeout_s=cfg.test_timeout_s, run_timeout_s=VALIDATION_RUN_TIMEOUT_S)
+    return evaluate_batch(default_sandbox(), [job], report=True, **kw)[0].report
 
 
 def _fails_cleanly(e) -> bool:

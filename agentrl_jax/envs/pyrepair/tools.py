@@ -11,6 +11,10 @@
     ``solution.py``, and the constraints (``test_solution.py`` unchanged, signature kept);
     ends the episode.
 
+A ``code_action`` level (``config.EnvConfig``) has one tool instead (``specs_for``):
+  * ``write_code(code)``: ``code`` replaces ``solution.py`` and the visible tests run; when they
+    all pass the program is submitted as by ``submit``, else the first failure is shown.
+
 Arguments are checked against the tool's JSON schema (``jsonschema``); a bad call raises
 ``ToolError`` with a message naming the problem, which the environment turns into an error
 observation.
@@ -27,7 +31,7 @@ import jsonschema
 from agentrl_jax.envs.base import ToolError, ToolSpec
 from agentrl_jax.envs.pyrepair.execution import Evaluation, Job, parses
 from agentrl_jax.envs.pyrepair.problems import HIDDEN_TEST_FILE, SOLUTION_FILE, TEST_FILE
-from agentrl_jax.envs.pyrepair.prompts import n_lines, numbered
+from agentrl_jax.envs.pyrepair.prompts import CODE_REPLY, failure_excerpt, n_lines, numbered
 from agentrl_jax.envs.pyrepair.task import Task, signature_of
 
 FILES = (SOLUTION_FILE, TEST_FILE)
@@ -72,8 +76,28 @@ TOOL_SPECS = (
         {"type": "object", "properties": {}, "additionalProperties": False},
     ),
 )
+CODE_TOOL_SPECS = (
+    ToolSpec(
+        "write_code",
+        "Replace solution.py with code and run the visible tests; submit once they all pass.",
+        {
+            "type": "object",
+            "properties": {"code": {"type": "string", "minLength": 1}},
+            "required": ["code"],
+            "additionalProperties": False,
+        },
+    ),
+)
 TOOL_NAMES = tuple(s.name for s in TOOL_SPECS)
-_VALIDATORS = {s.name: jsonschema.Draft202012Validator(dict(s.parameters)) for s in TOOL_SPECS}
+_VALIDATORS = {
+    s.name: jsonschema.Draft202012Validator(dict(s.parameters))
+    for s in (*TOOL_SPECS, *CODE_TOOL_SPECS)
+}
+
+
+def specs_for(config) -> tuple[ToolSpec, ...]:
+    """The tools of a level (``config.EnvConfig``): ``write_code`` alone at a code-action level."""
+    return CODE_TOOL_SPECS if config.code_action else TOOL_SPECS
 
 
 @dataclasses.dataclass
@@ -207,4 +231,17 @@ def submit(state: RepairState, args: Mapping[str, Any], runner: Runner) -> str:
     return "\n".join(out)
 
 
-MUTATING = frozenset({"edit"})
+def write_code(state: RepairState, args: Mapping[str, Any], runner: Runner) -> str:
+    task, code = state.task, args["code"]
+    if len(code) > task.config.max_file_chars:
+        raise ToolError(f"code has {len(code)} characters; at most {task.config.max_file_chars}")
+    state.files[SOLUTION_FILE] = code if code.endswith("\n") else code + "\n"
+    job = Job(state.files[SOLUTION_FILE], state.files[TEST_FILE], task.n_visible)
+    visible = runner([job], True)[0]
+    if visible.all_pass:
+        return "The visible tests pass. " + submit(state, {}, runner)
+    excerpt = truncate(failure_excerpt(visible.report), task.config.max_output_chars)
+    return f"The tests still fail:\n```\n{excerpt}\n```\n{CODE_REPLY}"
+
+
+MUTATING = frozenset({"edit", "write_code"})

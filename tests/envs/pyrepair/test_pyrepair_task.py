@@ -75,7 +75,7 @@ def test_reference_passes_and_buggy_fails_a_visible_test(tasks):
     [
         (-1, 0, None, "seed"),
         (2_000_000, 0, None, "seed"),
-        (0, 3, None, "difficulty"),
+        (0, 4, None, "difficulty"),
         (0, 0, ("nonsense",), "bug_types"),
         (0, 1, ("constant",), "len"),
     ],
