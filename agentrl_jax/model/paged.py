@@ -365,8 +365,16 @@ def over_page_buckets(fn, pages: jax.Array, max_pages: int, ratio: float = 1.25)
     return jax.lax.switch(index, [lambda n=n: fn(n) for n in sizes])
 
 
-def over_live_pages(fn, tables: jax.Array, new_len: jax.Array, page: int, bucketed: bool = True):
-    """``fn(n)`` for the smallest bucket ``n`` (:func:`page_buckets`) holding every slot's pages.
+def over_live_pages(
+    fn,
+    tables: jax.Array,
+    new_len: jax.Array,
+    page: int,
+    bucketed: bool = True,
+    ratio: float = 1.25,
+):
+    """``fn(n)`` for the smallest bucket ``n`` (:func:`page_buckets` with ``ratio``) holding
+    every slot's pages.
 
     ``fn(n)`` may read only the first ``n`` block-table entries: pages past every slot's length
     are masked anyway, so decode cost follows the longest live slot instead of ``max_len``.
@@ -374,4 +382,4 @@ def over_live_pages(fn, tables: jax.Array, new_len: jax.Array, page: int, bucket
     """
     if not bucketed:
         return fn(tables.shape[1])
-    return over_page_buckets(fn, -(-new_len // page), tables.shape[1])
+    return over_page_buckets(fn, -(-new_len // page), tables.shape[1], ratio)

@@ -337,9 +337,34 @@ def _kernel_sparse(ch: _Chunk, n_sel: int, replay: jax.Array | None):
     return ch.result(out, idx)
 
 
+# Page buckets of a dense prefill chunk's keys (``_live_dense``): each bucket is one branch of
+# a ``lax.switch`` compiled into every layer, so they are coarse (powers of two).
+PREFILL_BUCKET_RATIO = 2.0
+
+
+def _live_dense(ch: _Chunk, sinks) -> jax.Array:
+    """D, masked, over the live pages only: [B, C, N, H]. A chunk's keys end at the longest
+    slot's length, so attention costs follow the context held rather than ``max_len`` (a
+    prefill into a large cache). Another key count sums in another order, so parity policies,
+    whose trainer pass must match bitwise, keep the whole width (``_masked``)."""
+
+    def attend(n):
+        keys, vals = ch.read_context(n)
+        kpos = jnp.arange(n * ch.page)
+        mask = ch.visible(n)[:, None, :] & (kpos[None, None, :] <= ch.positions[:, :, None])
+        b, c = ch.q.shape[:2]
+        mask = jnp.broadcast_to(mask[:, :, None, :], (b, c, ch.cfg.n_kv_heads, n * ch.page))
+        return masked_attention(ch.q, keys, vals, mask, ch.policy, sinks=sinks)
+
+    return over_live_pages(attend, ch.raw, ch.new_len, ch.page, ratio=PREFILL_BUCKET_RATIO)
+
+
 def _masked(ch: _Chunk, kind: str, n_sel: int, sinks, replay):
     """The whole context gathered and masked (F: to the selected blocks); optionally the
-    attention mass each position receives."""
+    attention mass each position receives. A dense layer of a non-parity policy without mass
+    tracking attends over the live pages only (``_live_dense``)."""
+    if kind == "D" and "mass" not in ch.cache and not ch.policy.parity:
+        return ch.result(_live_dense(ch, sinks))
     cfg, q, positions = ch.cfg, ch.q, ch.positions
     b, c = q.shape[:2]
     keys, vals = ch.read_context()
