@@ -25,6 +25,7 @@ from agentrl_jax.model.config import ModelConfig
 # the architecture the checkpoint was trained with)
 TRAINING_FIELDS = (
     "remat",
+    "frozen_groups",
     "value_head",
     "capacity_factor",
     "router_aux_weight",

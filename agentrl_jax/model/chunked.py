@@ -31,6 +31,7 @@ from agentrl_jax.model.transformer import (
     Transformer,
     init_cache,
     token_entropy,
+    training_view,
     unchunk_extras,
 )
 from agentrl_jax.precision import DTypePolicy
@@ -265,6 +266,7 @@ def sequence_logprobs(
     else:
         if evict_at is not None or int8_at is not None:
             raise ValueError("evict_at / int8_at (KV-mask replay) needs a parity policy")
+        model, params = training_view(model, params)
         logits, _, extras = model.apply(
             params, tokens, valid=valid, replay_routes=replay_routes, replay_blocks=replay_blocks
         )

@@ -55,6 +55,11 @@ class ModelConfig:
       tie_embeddings: share input embedding and output projection.
       norm_eps: RMSNorm epsilon.
       remat: 'none' | 'full' | 'dots' | 'dots_no_batch' rematerialisation of a pattern group.
+      frozen_groups: the lowest this many pattern groups and the token embedding (with tied
+        embeddings, the output projection too) are not trained: teacher-forced passes stop the
+        gradient above them (``chunked.sequence_logprobs`` runs them unstacked so the backward
+        pass skips them) and the optimisers leave them unchanged (``rl.state.freeze_lower``);
+        in ``[0, n_groups)``.
       init_std: stddev of weight init (output projections scaled by 1/sqrt(2*n_layers)).
       value_head: '' (none) | 'shared' | 'detached': a linear critic V(prefix) on the final
         normed hidden state (``extras['values']``, zero-initialised), trained by the RL value
@@ -108,6 +113,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-6
     remat: str = "none"
+    frozen_groups: int = 0
     init_std: float = 0.02
     value_head: str = ""
     scaled_embeddings: bool = True
@@ -185,6 +191,11 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.capacity_factor={self.capacity_factor} must be >= 0")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; allowed: {REMAT_POLICIES}")
+        if not 0 <= self.frozen_groups < self.n_groups:
+            raise ValueError(
+                f"ModelConfig.frozen_groups={self.frozen_groups} must be in [0, "
+                f"n_groups={self.n_groups})"
+            )
         if self.value_head not in VALUE_HEADS:
             raise ValueError(f"ModelConfig.value_head={self.value_head!r}; allowed: {VALUE_HEADS}")
         for field in ("rope_theta", "norm_eps", "init_std"):

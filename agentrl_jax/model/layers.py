@@ -142,6 +142,8 @@ class Embedder(nn.Module):
             # present: the same products, a faster matmul at a few rows.
             transposed = self.has_variable("params", "table_t")
             w = self.get_variable("params", "table_t") if transposed else self.table
+            if self.cfg.frozen_groups:  # a frozen embedding is a frozen tied head
+                w = jax.lax.stop_gradient(w)
             # 1/sqrt(D): initial logits have std 1/sqrt(D) (rows of norm 1 at init, unit-rms x).
             if self.cfg.scaled_embeddings:
                 w = w * (1.0 / jnp.sqrt(float(self.cfg.d_model)))

@@ -25,6 +25,7 @@ from flax import linen as nn
 
 from agentrl_jax.model.attention import Attention, init_layer_cache
 from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.decode_params import unstack_groups
 from agentrl_jax.model.layers import Embedder, RMSNorm
 from agentrl_jax.model.moe import MLP, MoE
 from agentrl_jax.precision import DTypePolicy
@@ -94,6 +95,8 @@ class Group(nn.Module):
         x, stacked = carry
         group, sliced, replay, replay_blocks = xs
         caches = sliced if stacked is None else stacked
+        if self.cfg.frozen_groups and caches is None:  # no gradient below the trained groups
+            x = jnp.where(group == self.cfg.frozen_groups, jax.lax.stop_gradient(x), x)
         new_caches, routes, aux_sum, blocks = {}, [], {}, []
         n_f = 0
         for i, kind in enumerate(self.cfg.layer_pattern):
@@ -243,6 +246,8 @@ class Transformer(nn.Module):
         if self.unstacked:
             outs = []
             for g in range(cfg.n_groups):
+                if g == cfg.frozen_groups and g and cache is None:  # no gradient below here
+                    carry = (jax.lax.stop_gradient(carry[0]), carry[1])
                 xs_g = jax.tree.map(lambda a, g=g: a[g], xs)
                 carry, out = group(
                     cfg, pol, self.decode_kernel, self.record_blocks, name=f"group_{g}"
@@ -295,6 +300,16 @@ class Transformer(nn.Module):
             new_cache["layers"] = new_layers
             new_cache["lengths"] = cache["lengths"] + jnp.sum(v, axis=1).astype(jnp.int32)
         return logits, new_cache, extras
+
+
+def training_view(model: Transformer, params) -> tuple[Transformer, dict]:
+    """``(model, params)`` for a teacher-forced pass that is differentiated. With
+    ``cfg.frozen_groups`` the groups run unstacked (a depth scan's backward pass runs every
+    group, the frozen ones too); else both unchanged. Gradients reach the stacked parameters
+    through the slices."""
+    if not model.cfg.frozen_groups or model.unstacked:
+        return model, params
+    return model.clone(unstacked=True), unstack_groups(params, model.cfg.n_groups)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -228,6 +228,27 @@ def decay_mask(params):
     return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
 
 
+def freeze_lower(frozen_groups: int) -> optax.GradientTransformation:
+    """Zeroes the updates of what ``ModelConfig.frozen_groups`` freezes: the token embedding
+    (``embed/table``; a tied head with it) and rows ``[0, frozen_groups)`` of the stacked
+    pattern groups (``groups/...`` [G, ...]). Their gradients are zero already (the forward
+    stops them); this keeps weight decay off them too."""
+
+    def one(path, u):
+        keys = [getattr(k, "key", None) for k in path]
+        if "embed" in keys and keys[-1] == "table":
+            return jnp.zeros_like(u)
+        if "groups" in keys:
+            return u.at[:frozen_groups].set(0)
+        return u
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map_with_path(one, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(
     learning_rate: float | optax.Schedule,
     *,
@@ -238,8 +259,9 @@ def make_optimizer(
     eps: float = 1e-8,
     grad_clip: float | None = None,
     mask: Any = None,
+    frozen_groups: int = 0,
 ) -> optax.GradientTransformation:
-    """The project's optimiser: clip_by_global_norm(grad_clip) -> AdamW.
+    """The project's optimiser: clip_by_global_norm(grad_clip) -> AdamW (-> ``freeze_lower``).
 
     ``learning_rate`` and ``weight_decay`` are injected hyperparameters
     (``optax.inject_hyperparams``): they live in the optimiser state as f32 scalars, so a
@@ -253,6 +275,7 @@ def make_optimizer(
       b1, b2, eps: Adam.
       grad_clip: global-norm clip; None or 0 disables it.
       mask: AdamW's weight-decay mask (``decay_mask``) or None (all parameters).
+      frozen_groups: ``ModelConfig.frozen_groups`` (> 0: their updates zeroed, ``freeze_lower``).
 
     Raises:
       ValueError: ``shape`` with a schedule ``learning_rate``.
@@ -264,13 +287,15 @@ def make_optimizer(
         lr = learning_rate if shape is None else (lambda count: learning_rate * shape(count))
         parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip else []
         adamw = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
-        return optax.chain(*parts, adamw)
+        frozen = [freeze_lower(frozen_groups)] if frozen_groups else []
+        return optax.chain(*parts, adamw, *frozen)
 
     return optax.inject_hyperparams(chain)(learning_rate=learning_rate, weight_decay=weight_decay)
 
 
-def rl_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
-    """``make_optimizer`` with the RL settings (peak ``cfg.lr`` times ``unit_schedule(cfg)``)."""
+def rl_optimizer(cfg: RLConfig, frozen_groups: int = 0) -> optax.GradientTransformation:
+    """``make_optimizer`` with the RL settings (peak ``cfg.lr`` times ``unit_schedule(cfg)``) and
+    the model's ``frozen_groups``."""
     return make_optimizer(
         cfg.lr,
         shape=unit_schedule(cfg),
@@ -280,6 +305,7 @@ def rl_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
         eps=cfg.eps,
         grad_clip=cfg.grad_clip,
         mask=decay_mask,
+        frozen_groups=frozen_groups,
     )
 
 

@@ -442,7 +442,7 @@ def make_update(
         raise ValueError("RLConfig.use_block_replay=True needs sparse full attention (F layers)")
     if model.policy.parity and spec is None:
         raise ValueError(f"policy {model.policy.name!r} needs sampling_meta (chunk geometry)")
-    tx = rl_optimizer(rl_cfg)
+    tx = rl_optimizer(rl_cfg, model.cfg.frozen_groups)
     config_grad_fn = make_grad_fn(model, rl_cfg, None, spec)
 
     def update(state: TrainState, batch: dict, rng=None):

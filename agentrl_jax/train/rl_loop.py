@@ -162,7 +162,7 @@ class RLRun:
                 f"{jax.process_count()} processes (set rl.max_staleness=0 and "
                 "train.overlap_env=False; docs/async.md, 'Under a mesh')"
             )
-        tx = rl_optimizer(s.rl)
+        tx = rl_optimizer(s.rl, s.model.frozen_groups)
         shard = self.placement.step_shardings(tx, self.batch_size)
         self.controller = FallbackController(
             lambda p: make_update_fn(Transformer(s.model, p), s.rl, p, s.rollout, shard),

@@ -47,7 +47,7 @@ from agentrl_jax.data import DataConfig
 from agentrl_jax.envs.registry import EnvSpec, as_env
 from agentrl_jax.metrics import MetricsWriter, ProgressBar, memory_metrics
 from agentrl_jax.model.config import ModelConfig
-from agentrl_jax.model.transformer import Transformer, init_params
+from agentrl_jax.model.transformer import Transformer, init_params, training_view
 from agentrl_jax.precision import DTypePolicy, get_policy
 from agentrl_jax.rl.state import TrainState, make_optimizer
 from agentrl_jax.sharding import StepShardings
@@ -168,11 +168,16 @@ def lr_schedule(cfg: SFTConfig) -> optax.Schedule:
     )
 
 
-def sft_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
+def sft_optimizer(cfg: SFTConfig, frozen_groups: int = 0) -> optax.GradientTransformation:
     """The project's ``make_optimizer`` with the SFT settings: the ``lr_schedule``, b1 0.9,
-    weight decay on every parameter, global-norm clipping when ``grad_clip > 0``."""
+    weight decay on every parameter, global-norm clipping when ``grad_clip > 0``, the model's
+    ``frozen_groups`` left unchanged."""
     return make_optimizer(
-        lr_schedule(cfg), weight_decay=cfg.weight_decay, b2=cfg.b2, grad_clip=cfg.grad_clip
+        lr_schedule(cfg),
+        weight_decay=cfg.weight_decay,
+        b2=cfg.b2,
+        grad_clip=cfg.grad_clip,
+        frozen_groups=frozen_groups,
     )
 
 
@@ -251,7 +256,8 @@ def make_train_step(
     """
 
     def loss_fn(params, batch):
-        logits, _, extras = model.apply(params, batch["tokens"])
+        view, view_params = training_view(model, params)
+        logits, _, extras = view.apply(view_params, batch["tokens"])
         loss, metrics = sft_loss(logits, batch, lm_weight)
         if "aux_loss" in extras:  # MoE load-balance / z losses
             loss = loss + extras["aux_loss"]
@@ -393,7 +399,7 @@ def run_sft(
     model = Transformer(model_cfg, get_policy(policy))
     place = placement or Placement.default_device(model_cfg, model.policy)
     ckpt = Checkpointer(stage_dir(run_dir, "sft"), resume=resume, max_to_keep=cfg.max_to_keep)
-    optimizer = sft_optimizer(cfg)
+    optimizer = sft_optimizer(cfg, model_cfg.frozen_groups)
     rng = jax.random.key(cfg.seed)
     if params is None:
         params = init_params(model, jax.random.fold_in(rng, 0))
