@@ -87,8 +87,18 @@ def test_vmapped_update_matches_per_point_update_fn():
 
 def test_vectorizable_checks():
     base = RLConfig()
+    # the loss's own declaration decides which of its fields a group may trace
+    assert sweep_vmap.vmap_keys("ppo") == (
+        "rl.lr",
+        "rl.weight_decay",
+        "seed",
+        "rl.loss.clip_high",
+        "rl.loss.clip_low",
+    )
     with pytest.raises(ValueError, match="cannot vectorise"):
         sweep_vmap.check_vectorizable([base], {"rl.loss.entropy_coef"})
+    with pytest.raises(ValueError, match=r"cannot vectorise \['rl.loss.dual_clip'\]"):
+        sweep_vmap.check_vectorizable([base], {"rl.loss.dual_clip", "rl.loss.clip_low"})
     with pytest.raises(ValueError, match="not traced"):
         sweep_vmap.check_vectorizable([base, base.replace(micro_batch=2)], {"rl.lr"})
     with pytest.raises(ValueError, match="ppo_epochs"):

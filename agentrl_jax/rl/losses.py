@@ -1,5 +1,19 @@
-"""Policy losses: PPO clipped surrogate (clip-higher, dual clip), KL, entropy, MoE auxiliaries,
-and rollout/train mismatch corrections (truncated IS, IcePop masking, geometric-mean rejection).
+"""Policy losses: a registry of per-token surrogates by name, composed with the shared terms.
+
+A registered loss is ``fn(inputs: LossInputs, cfg: LossConfig) -> (loss [B, T], flags)``: the
+per-token policy-gradient loss and per-token f32 indicators (averaged over action tokens into
+``<flag>_frac`` metrics). ``LossConfig.name`` picks it; ``policy_loss`` wraps every loss in the
+same shared terms (``rl.loss_terms``): negative-advantage weighting, rollout/train mismatch
+corrections, aggregation over tokens, the KL penalty to a reference, the entropy bonus, MoE
+auxiliaries and the ratio metrics. A new variant is one decorated function, declaring the
+``LossConfig`` fields a vectorised sweep may trace:
+
+    @register_loss("my_variant", traced=("clip_low",))
+    def my_variant(inputs, cfg):
+        return get_loss("ppo").fn(inputs, cfg)
+
+Registered here: ``ppo`` (clipped surrogate with clip-higher ``clip_low`` / ``clip_high`` and the
+dual clip ``dual_clip``).
 
 Three log-probabilities per action token:
   logp_new      current parameters (differentiated),
@@ -24,14 +38,40 @@ Shape legend: B sequences, T tokens.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-_LOG_RATIO_CAP = 20.0  # exp(20) ~ 5e8: keeps exp finite in f32 for outlier tokens
+from agentrl_jax.rl.loss_terms import (
+    AGG_MODES,
+    KL_ESTIMATORS,
+    LOG_RATIO_CAP,
+    aggregate,
+    correction_weights,
+    kl_penalty,
+    masked_mean,
+    value_loss,
+)
+
+__all__ = [
+    "AGG_MODES",
+    "KL_ESTIMATORS",
+    "LossConfig",
+    "LossInputs",
+    "RegisteredLoss",
+    "aggregate",
+    "correction_weights",
+    "get_loss",
+    "kl_penalty",
+    "loss_names",
+    "policy_loss",
+    "ppo_surrogate",
+    "register_loss",
+    "value_loss",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +79,12 @@ class LossConfig:
     """Every knob of ``policy_loss`` (hashable, usable as a static argument).
 
     Attributes:
-      clip_low: PPO lower clip eps_low; ratio clipped to [1 - clip_low, ...], in (0, 1).
-      clip_high: PPO upper clip eps_high (clip-higher when > clip_low), > 0.
-      dual_clip: dual-clip constant c > 1 bounding the loss of negative-advantage tokens by
-        -c * A; None disables.
+      name: the registered loss (``loss_names()``); the fields below it reads are its own,
+        the others are the shared terms every loss gets.
+      clip_low: ``ppo``: lower clip eps_low; ratio clipped to [1 - clip_low, ...], in (0, 1).
+      clip_high: ``ppo``: upper clip eps_high (clip-higher when > clip_low), > 0.
+      dual_clip: ``ppo``: dual-clip constant c > 1 bounding the loss of negative-advantage
+        tokens by -c * A; None disables.
       agg_mode: one of ``AGG_MODES``.
       norm_constant: constant token normaliser of 'seq-mean-token-sum-norm' (> 0); None uses T.
       kl_coef: weight of KL(pi_new || pi_ref) (>= 0); 0 disables (logp_ref not needed).
@@ -64,6 +106,7 @@ class LossConfig:
         value the rollout batch was scored with; None disables.
     """
 
+    name: str = "ppo"
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
@@ -82,6 +125,7 @@ class LossConfig:
     vf_clip: float | None = None
 
     def __post_init__(self):
+        get_loss(self.name)  # ValueError lists the registered names
         if not 0.0 < self.clip_low < 1.0:
             raise ValueError(f"clip_low={self.clip_low} must be in (0, 1)")
         if not self.clip_high > 0.0:
@@ -118,156 +162,112 @@ class LossConfig:
 
     def with_traced(self, **values) -> LossConfig:
         """A copy whose named fields hold traced values (e.g. per-point ``clip_low`` in a
-        ``jax.vmap``-ed sweep). Not validated: the values were validated as floats on the host;
-        the loss uses them arithmetically only."""
+        ``jax.vmap``-ed sweep). The values themselves are not validated: they were validated as
+        floats on the host, and the loss uses them arithmetically only.
+
+        Raises:
+          ValueError: a name the registered loss does not declare ``traced``.
+        """
+        traced = get_loss(self.name).traced
+        bad = sorted(set(values) - set(traced))
+        if bad:
+            raise ValueError(
+                f"loss {self.name!r} cannot trace {bad}; its traced hyperparameters: {traced}"
+            )
         out = object.__new__(LossConfig)
         for f in dataclasses.fields(LossConfig):
             object.__setattr__(out, f.name, values.get(f.name, getattr(self, f.name)))
         return out
 
 
-def _masked_mean(x: Array, mask: Array) -> Array:
-    m = mask.astype(jnp.float32)
-    return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
+class LossInputs(NamedTuple):
+    """What ``policy_loss`` hands a registered loss (f32 [B, T] unless noted).
 
-
-def aggregate(
-    loss_mat: Array,
-    mask: Array,
-    mode: str,
-    norm_constant: float | None = None,
-) -> Array:
-    """Reduces a per-token loss to a scalar.
-
-    With m the mask, L_b = sum_t l[b,t] m[b,t], n_b = sum_t m[b,t] and S the sequences with n_b > 0:
-      token-mean:               sum_b L_b / sum_b n_b
-      seq-mean-token-mean:      mean_{b in S} L_b / n_b
-      seq-mean-token-sum:       mean_{b in S} L_b
-      seq-mean-token-sum-norm:  sum_b L_b / (B * C), C = norm_constant or T (Dr.GRPO: a constant
-                                normaliser independent of lengths).
-
-    Raises:
-      ValueError: if mode is not in ``AGG_MODES``.
+    Attributes:
+      log_ratio: logp_new - logp_old clipped to +-``LOG_RATIO_CAP`` (differentiable through
+        logp_new; logp_old is a constant).
+      ratio: exp(log_ratio), the per-token importance ratio.
+      advantages: constants, negative values already scaled by ``negative_adv_weight``.
+      mask: bool [B, T] action tokens to train on.
     """
-    if mode not in AGG_MODES:
-        raise ValueError(f"agg_mode={mode!r} must be one of {AGG_MODES}")
-    m = mask.astype(jnp.float32)
-    per_seq = jnp.sum(loss_mat * m, axis=1)
-    n_tok = jnp.sum(m, axis=1)
-    n_seq = jnp.maximum(jnp.sum((n_tok > 0).astype(jnp.float32)), 1.0)
-    if mode == "token-mean":
-        return jnp.sum(per_seq) / jnp.maximum(jnp.sum(n_tok), 1.0)
-    if mode == "seq-mean-token-mean":
-        return jnp.sum(per_seq / jnp.maximum(n_tok, 1.0)) / n_seq
-    if mode == "seq-mean-token-sum":
-        return jnp.sum(per_seq) / n_seq
-    c = float(loss_mat.shape[1]) if norm_constant is None else float(norm_constant)
-    return jnp.sum(per_seq) / (loss_mat.shape[0] * c)
+
+    log_ratio: Array
+    ratio: Array
+    advantages: Array
+    mask: Array
 
 
-def value_loss(
-    values: Array,
-    old_values: Array,
-    targets: Array,
-    mask: Array,
-    cfg: LossConfig,
-) -> tuple[Array, dict[str, Array]]:
-    """PPO value loss of a critic, aggregated like the policy loss (``cfg.agg_mode``).
+LossFn = Callable[[LossInputs, LossConfig], tuple[Array, dict[str, Array]]]
 
-      l_t = 1/2 (V_t - R_t)^2                                  (vf_clip None)
-      l_t = 1/2 max((V_t - R_t)^2, (V_old + clip(V_t - V_old, -eps_v, eps_v) - R_t)^2)
 
-    with V the current prediction (differentiated), V_old the prediction the batch was scored
-    with and R the target (e.g. GAE advantage + V_old); V_old and R are constants.
+@dataclasses.dataclass(frozen=True)
+class RegisteredLoss:
+    """A policy loss of the registry.
+
+    Attributes:
+      name: its registry name (``LossConfig.name``).
+      fn: ``fn(inputs: LossInputs, cfg: LossConfig) -> (loss f32 [B, T], flags)``, flags a
+        dict of f32 [B, T] per-token indicators.
+      traced: the float ``LossConfig`` fields of the loss a vectorised sweep may vary per point
+        (``LossConfig.with_traced``, ``train/sweep_vmap.py``): the loss uses them arithmetically
+        only, never in a Python branch.
+    """
+
+    name: str
+    fn: LossFn
+    traced: tuple[str, ...] = ()
+
+
+_REGISTRY: dict[str, RegisteredLoss] = {}
+
+
+def register_loss(
+    name: str, *, traced: tuple[str, ...] = (), overwrite: bool = False
+) -> Callable[[LossFn], LossFn]:
+    """Decorator registering ``fn(inputs: LossInputs, cfg: LossConfig)`` under ``name``.
 
     Args:
-      values, old_values, targets: f32 [B, T]; mask: bool [B, T] tokens to fit.
-
-    Returns:
-      (scalar loss, metrics ``value_loss``, ``value_clipped_frac``, ``value_mean``).
-    """
-    sg = jax.lax.stop_gradient
-    v = values.astype(jnp.float32)
-    v_old, r = sg(old_values.astype(jnp.float32)), sg(targets.astype(jnp.float32))
-    sq = jnp.square(v - r)
-    clipped = jnp.zeros_like(sq)
-    if cfg.vf_clip is not None:
-        v_clip = v_old + jnp.clip(v - v_old, -cfg.vf_clip, cfg.vf_clip)
-        sq_clip = jnp.square(v_clip - r)
-        clipped = (sq_clip > sq).astype(jnp.float32)
-        sq = jnp.maximum(sq, sq_clip)
-    loss = aggregate(0.5 * sq, mask, cfg.agg_mode, cfg.norm_constant)
-    m = mask.astype(jnp.float32)
-    metrics = {
-        "value_loss": sg(loss),
-        "value_clipped_frac": _masked_mean(clipped, m),
-        "value_mean": _masked_mean(sg(v), m),
-    }
-    return loss, metrics
-
-
-def kl_penalty(logp: Array, logp_ref: Array, estimator: str) -> Array:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi, with d = logp - logp_ref:
-
-    k1 = d,   k2 = d^2 / 2,   k3 = exp(-d) - 1 + d   (unbiased, >= 0; d clipped to +-20).
+      name: the registry name.
+      traced: ``LossConfig`` fields the loss only uses arithmetically, which a vectorised
+        sweep may therefore vary per point.
+      overwrite: replace a loss already registered under ``name``.
 
     Raises:
-      ValueError: if estimator is not in ``KL_ESTIMATORS``.
+      ValueError: ``name`` empty or already registered (without ``overwrite``), or a ``traced``
+        entry that is not a ``LossConfig`` field.
     """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator={estimator!r} must be one of {KL_ESTIMATORS}")
-    d = logp - logp_ref
-    if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d * d
-    d = jnp.clip(d, -_LOG_RATIO_CAP, _LOG_RATIO_CAP)
-    return jnp.exp(-d) - 1.0 + d
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"loss name must be a non-empty string, got {name!r}")
+    fields = {f.name for f in dataclasses.fields(LossConfig)} - {"name"}
+    unknown = sorted(set(traced) - fields)
+    if unknown:
+        raise ValueError(f"loss {name!r}: traced={unknown} are not LossConfig fields")
+
+    def wrap(fn: LossFn) -> LossFn:
+        if name in _REGISTRY and not overwrite:
+            raise ValueError(
+                f"loss {name!r} is already registered; pass overwrite=True to replace it"
+            )
+        _REGISTRY[name] = RegisteredLoss(name, fn, tuple(traced))
+        return fn
+
+    return wrap
 
 
-def correction_weights(
-    logp_old: Array,
-    logp_rollout: Array | None,
-    mask: Array,
-    cfg: LossConfig,
-) -> tuple[Array, dict[str, Array]]:
-    """Per-token weights (no gradient) correcting for rollout-vs-train mismatch.
+def get_loss(name: str) -> RegisteredLoss:
+    """Returns the loss registered as ``name``.
 
-    rho = exp(logp_old - logp_rollout). Starting from w = 1:
-      tis_cap C:          w *= min(rho, C)
-      icepop_band [l, h]: w *= [l <= rho <= h]
-      geo_band [l, h]:    w *= [l <= exp(mean_{t in seq} log rho) <= h]   (whole sequence)
-    With ``logp_rollout`` None, or no correction enabled, w = 1.
-
-    Returns:
-      (w f32 [B, T], metrics: fraction of tokens truncated / dropped, of sequences rejected).
+    Raises:
+      ValueError: if ``name`` is not registered (the message lists the registered names).
     """
-    metrics: dict[str, Array] = {}
-    w = jnp.ones(mask.shape, jnp.float32)
-    if logp_rollout is None:
-        return w, metrics
-    log_rho = jax.lax.stop_gradient(logp_old - logp_rollout).astype(jnp.float32)
-    log_rho = jnp.clip(log_rho, -_LOG_RATIO_CAP, _LOG_RATIO_CAP)
-    rho = jnp.exp(log_rho)
-    m = mask.astype(jnp.float32)
-    if cfg.tis_cap is not None:
-        w = w * jnp.minimum(rho, cfg.tis_cap)
-        metrics["tis_truncated_frac"] = _masked_mean((rho > cfg.tis_cap).astype(jnp.float32), m)
-    if cfg.icepop_band is not None:
-        lo, hi = cfg.icepop_band
-        keep = (rho >= lo) & (rho <= hi)
-        w = w * keep
-        metrics["icepop_dropped_frac"] = _masked_mean((~keep).astype(jnp.float32), m)
-    if cfg.geo_band is not None:
-        lo, hi = cfg.geo_band
-        n_tok = jnp.sum(m, axis=1)
-        geo = jnp.exp(jnp.sum(log_rho * m, axis=1) / jnp.maximum(n_tok, 1.0))
-        keep_seq = (geo >= lo) & (geo <= hi)
-        w = w * keep_seq[:, None]
-        has = (n_tok > 0).astype(jnp.float32)
-        rejected = jnp.sum((~keep_seq) * has) / jnp.maximum(jnp.sum(has), 1.0)
-        metrics["geo_rejected_seq_frac"] = rejected
-    return w, metrics
+    if name not in _REGISTRY:
+        raise ValueError(f"loss {name!r} is not registered; known: {loss_names()}")
+    return _REGISTRY[name]
+
+
+def loss_names() -> tuple[str, ...]:
+    """Sorted names of all registered losses."""
+    return tuple(sorted(_REGISTRY))
 
 
 def ppo_surrogate(
@@ -299,6 +299,13 @@ def ppo_surrogate(
     return loss, flags
 
 
+@register_loss("ppo", traced=("clip_low", "clip_high"))
+def ppo(inputs: LossInputs, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
+    """PPO's clipped surrogate on the token ratio (``ppo_surrogate``): clip-higher when
+    ``clip_high`` > ``clip_low``, the dual clip with ``dual_clip``."""
+    return ppo_surrogate(inputs.ratio, inputs.advantages, cfg)
+
+
 def policy_loss(
     logp_new: Array,
     logp_old: Array,
@@ -312,15 +319,16 @@ def policy_loss(
     moe_lb_loss: Array | None = None,
     moe_z_loss: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """Total policy loss and its metrics.
+    """Total policy loss and its metrics: the registered loss ``cfg.name`` in the shared terms.
 
-      loss = agg(w * l_ppo) + kl_coef * agg(k(logp_new, logp_ref)) - entropy_coef * agg(H)
+      loss = agg(w * l) + kl_coef * agg(k(logp_new, logp_ref)) - entropy_coef * agg(H)
              + moe_lb_coef * lb + moe_z_coef * z
 
-    with ``agg`` the configured aggregation over ``mask``, l_ppo from ``ppo_surrogate`` (on
-    advantages whose negative values are scaled by ``negative_adv_weight``) and w from
-    ``correction_weights``. Gradients flow through logp_new (and entropy / MoE losses if they
-    depend on the parameters); logp_old, logp_rollout, logp_ref and advantages are constants.
+    with ``agg`` the configured aggregation over ``mask``, l the per-token loss of
+    ``get_loss(cfg.name)`` (on advantages whose negative values are scaled by
+    ``negative_adv_weight``) and w from ``correction_weights``. Gradients flow through
+    logp_new (and entropy / MoE losses if they depend on the parameters); logp_old,
+    logp_rollout, logp_ref and advantages are constants.
 
     Args:
       logp_new, logp_old, advantages: f32 [B, T]; logp_rollout optional f32 [B, T].
@@ -331,7 +339,8 @@ def policy_loss(
       moe_lb_loss, moe_z_loss: scalar MoE auxiliary losses (skipped if None).
 
     Returns:
-      (scalar loss, dict of scalar metrics: pg_loss, clip fractions, approx_kl (k3 estimate of
+      (scalar loss, dict of scalar metrics: pg_loss, the loss's flag fractions (``ppo``: clip
+      fractions), approx_kl (k3 estimate of
       KL(old || new)), ratio_mean/min/max, kl, entropy, correction fractions).
 
     Raises:
@@ -362,9 +371,9 @@ def policy_loss(
     advantages = jax.lax.stop_gradient(advantages.astype(jnp.float32))
     if cfg.negative_adv_weight != 1.0:
         advantages = jnp.where(advantages < 0, cfg.negative_adv_weight * advantages, advantages)
-    log_ratio = jnp.clip(logp_new - logp_old, -_LOG_RATIO_CAP, _LOG_RATIO_CAP)
+    log_ratio = jnp.clip(logp_new - logp_old, -LOG_RATIO_CAP, LOG_RATIO_CAP)
     ratio = jnp.exp(log_ratio)
-    pg_tok, flags = ppo_surrogate(ratio, advantages, cfg)
+    pg_tok, flags = get_loss(cfg.name).fn(LossInputs(log_ratio, ratio, advantages, mask), cfg)
     w, metrics = correction_weights(logp_old, logp_rollout, mask, cfg)
     pg_loss = aggregate(pg_tok * w, mask, cfg.agg_mode, cfg.norm_constant)
     loss = pg_loss
@@ -372,13 +381,13 @@ def policy_loss(
     sg = jax.lax.stop_gradient
     metrics["pg_loss"] = sg(pg_loss)
     for name, flag in flags.items():
-        metrics[f"{name}_frac"] = _masked_mean(flag, m)
+        metrics[f"{name}_frac"] = masked_mean(flag, m)
     r = sg(ratio)
-    metrics["ratio_mean"] = _masked_mean(r, m)
+    metrics["ratio_mean"] = masked_mean(r, m)
     any_tok = jnp.any(mask)  # with no valid token the ratio stats read 1 (no change)
     metrics["ratio_max"] = jnp.where(any_tok, jnp.max(jnp.where(mask, r, -jnp.inf)), 1.0)
     metrics["ratio_min"] = jnp.where(any_tok, jnp.min(jnp.where(mask, r, jnp.inf)), 1.0)
-    metrics["approx_kl"] = _masked_mean(r - 1.0 - sg(log_ratio), m)
+    metrics["approx_kl"] = masked_mean(r - 1.0 - sg(log_ratio), m)
     if cfg.kl_coef > 0:
         kl = aggregate(
             kl_penalty(logp_new, sg(logp_ref), cfg.kl_estimator),

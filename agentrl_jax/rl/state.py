@@ -188,8 +188,9 @@ class TrainState(NamedTuple):
       nonfinite_count: int32 scalar, steps skipped for non-finite loss/gradients so far.
       consecutive_nonfinite: int32 scalar, skipped steps in a row (0 after a good step).
       hparams: loss hyperparameters as traced f32 scalars that override ``RLConfig.loss``
-        (``clip_low``, ``clip_high``), for a vectorised sweep (``jax.vmap`` of the update over
-        points); empty otherwise (the config's Python constants are used).
+        (the registered loss's ``traced`` fields; ``ppo``: ``clip_low``, ``clip_high``), for a
+        vectorised sweep (``jax.vmap`` of the update over points); empty otherwise (the
+        config's Python constants are used).
     """
 
     step: jax.Array

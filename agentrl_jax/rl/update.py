@@ -405,8 +405,8 @@ def make_update(
     """Builds ``update(state, batch, rng=None) -> (state, metrics)``, not jitted.
 
     ``make_update_fn`` jits it; a vectorised sweep jits ``jax.vmap`` of it over states stacked
-    by point, each point's learning rate and weight decay in its optimiser state and its clip
-    bounds in ``state.hparams``.
+    by point, each point's learning rate and weight decay in its optimiser state and its loss's
+    traced hyperparameters in ``state.hparams``.
 
     Args:
       model: the Transformer (its parameters live in ``state.params``).
@@ -417,7 +417,8 @@ def make_update(
         ``chunk``/``page_size``/``max_len``); required by parity policies.
 
     ``rng`` (typed key or raw key data; default ``state.rng``) is folded with ``state.step``.
-    ``state.hparams`` (``clip_low`` / ``clip_high``, traced) override the loss config's. Metrics
+    ``state.hparams`` (the ``traced`` fields of the registered loss ``rl_cfg.loss.name``, e.g.
+    ``ppo``'s ``clip_low`` / ``clip_high``, as traced values) override the loss config's. Metrics
     (f32 scalars): policy-loss parts averaged over the applied updates (``loss``, ``pg_loss``,
     clip fractions, ``approx_kl``, ratio stats, ``entropy``, MoE losses), ``grad_norm``
     (pre-clip, mean) and ``grad_norm_max``, ``skipped_updates``, ``skipped`` (1 if any update of

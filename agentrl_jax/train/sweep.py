@@ -13,7 +13,7 @@ Two modes:
     crashed point is recorded (``error.txt`` in its directory) and the sweep moves on; re-running
     the sweep continues unfinished points from their checkpoints.
   * vectorised (the experiment sets ``cfg.sweep_vectorized = True``): allowed when every point
-    only changes keys in ``sweep_vmap.VMAP_KEYS`` (checked before anything runs): one compiled
+    only changes keys in ``sweep_vmap.vmap_keys()`` (checked before anything runs): one compiled
     learner, ``jax.vmap`` of the RL update over the points' stacked states; SFT runs once,
     shared; rollouts and evaluations stay per point (``agentrl_jax.train.sweep_vmap``). Each
     point gets the run directory a sequential run would write; its numbers equal a sequential
@@ -121,7 +121,7 @@ def run_sweep(
 
     Raises:
       ValueError: no sweep(add) in the experiment, a continued sweep whose spec or overrides
-        differ, or a vectorised sweep over keys outside ``sweep_vmap.VMAP_KEYS`` or whose points
+        differ, or a vectorised sweep over keys outside ``sweep_vmap.vmap_keys()`` or whose points
         differ in RL settings that are not traced (raised before the sweep directory is made).
     """
     if sweep_dir is not None:

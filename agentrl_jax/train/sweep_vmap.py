@@ -3,7 +3,8 @@
 A group of P sweep points shares one learner program: every point's ``TrainState`` is stacked
 over points ([P, ...]) and ``jax.jit(jax.vmap(rl.update.make_update(...)))`` updates them all at
 once. What differs between points lives in the state: the learning rate and weight decay in the
-optimiser state (``optax.inject_hyperparams``), the PPO clip bounds in ``state.hparams``, the seed
+optimiser state (``optax.inject_hyperparams``), the hyperparameters the registered loss declares
+``traced`` (``rl.losses.register_loss``; ``ppo``: the clip bounds) in ``state.hparams``, the seed
 in the initial parameters and the rollouts. The whole group compiles one update.
 
 The driver (``run_group``) runs SFT once (shared: it depends on ``sft.*`` only, which points
@@ -14,8 +15,8 @@ summary, final RL checkpoint in the sequential layout). A point whose config is 
 rollouts raise is recorded as failed and dropped from the group. Not vectorised: rollouts,
 advantages, evaluation, intermediate checkpoints (an interrupted group re-runs its unfinished
 points), the precision fallback, and multi-update steps (``ppo_epochs = n_minibatches = 1`` and
-``old_logprobs = 'recompute'``, the default experiment's). Entropy / KL coefficients are not
-vectorisable: the loss branches on them in Python.
+``old_logprobs = 'recompute'``, the default experiment's). Entropy / KL coefficients and the
+other shared loss terms are not vectorisable: ``policy_loss`` branches on them in Python.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from agentrl_jax.config import ConfigDict
 from agentrl_jax.experiment import Sections, build
 from agentrl_jax.metrics import MetricsWriter, save_config
 from agentrl_jax.model.transformer import Transformer
+from agentrl_jax.rl.losses import get_loss, loss_names
 from agentrl_jax.rl.state import RLConfig, TrainState
 from agentrl_jax.rl.update import make_update
 from agentrl_jax.train import stages
@@ -41,17 +43,29 @@ from agentrl_jax.train.rl_loop import RLRun, update_batch
 
 log = logging.getLogger(__name__)
 
-# swept keys a vectorised group may vary (the rest of the config is shared)
-VMAP_KEYS = ("rl.lr", "rl.weight_decay", "rl.loss.clip_low", "rl.loss.clip_high", "seed")
+# swept keys every vectorised group may vary, besides its loss's traced hyperparameters
+BASE_VMAP_KEYS = ("rl.lr", "rl.weight_decay", "seed")
+
+
+def vmap_keys(loss_name: str | None = None) -> tuple[str, ...]:
+    """Swept keys a vectorised group may vary (the rest of the config is shared):
+    ``BASE_VMAP_KEYS`` and ``rl.loss.<field>`` for the fields the registered loss ``loss_name``
+    declares ``traced``; with None, those of every registered loss.
+
+    Raises:
+      ValueError: ``loss_name`` is not registered.
+    """
+    names = loss_names() if loss_name is None else (loss_name,)
+    traced = sorted({f for n in names for f in get_loss(n).traced})
+    return BASE_VMAP_KEYS + tuple(f"rl.loss.{f}" for f in traced)
 
 
 def with_hparams(state: TrainState, rl_cfg: RLConfig) -> TrainState:
-    """A point's learner state for the vmapped update: its clip bounds as traced ``hparams``
-    (its lr and weight decay are already in its optimiser state)."""
-    f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
-    return state._replace(
-        hparams={"clip_low": f32(rl_cfg.loss.clip_low), "clip_high": f32(rl_cfg.loss.clip_high)}
-    )
+    """A point's learner state for the vmapped update: its loss's traced hyperparameters as
+    ``hparams`` (its lr and weight decay are already in its optimiser state)."""
+    loss = rl_cfg.loss
+    traced = get_loss(loss.name).traced
+    return state._replace(hparams={f: jnp.asarray(getattr(loss, f), jnp.float32) for f in traced})
 
 
 def stack(trees: Sequence[Any]):
@@ -82,17 +96,24 @@ def make_vmapped_update(model: Transformer, rl_cfg: RLConfig, sampling_meta=None
 
 
 def check_vectorizable(rl_cfgs: Sequence[RLConfig], keys: set[str]) -> None:
-    """Raises ``ValueError`` if a swept key is not in ``VMAP_KEYS`` or the points' RL configs
-    differ in a field that is not traced."""
-    bad = sorted(k for k in keys if k not in VMAP_KEYS)
+    """Raises ``ValueError`` if a swept key is not in ``vmap_keys`` (of the points' loss; of
+    any registered loss when ``rl_cfgs`` is empty) or the points' RL configs differ in a field
+    that is not traced."""
+    allowed = set(vmap_keys())
+    for c in rl_cfgs:
+        allowed &= set(vmap_keys(c.loss.name))
+    bad = sorted(k for k in keys if k not in allowed)
     if bad:
         raise ValueError(
-            f"sweep_vectorized=True cannot vectorise {bad}; allowed keys: {sorted(VMAP_KEYS)} "
+            f"sweep_vectorized=True cannot vectorise {bad}; allowed keys: {sorted(allowed)} "
             "(set sweep_vectorized=False to run the points sequentially)"
         )
-    strip = lambda c: c.replace(  # noqa: E731
-        loss=dataclasses.replace(c.loss, clip_low=0.5, clip_high=0.5), lr=1.0, weight_decay=0.0
-    )
+
+    def strip(c: RLConfig) -> RLConfig:  # the point's config without what is traced
+        traced = get_loss(c.loss.name).traced
+        loss = c.loss.with_traced(**dict.fromkeys(traced))
+        return c.replace(loss=loss, lr=1.0, weight_decay=0.0)
+
     if len({strip(c) for c in rl_cfgs}) > 1:
         raise ValueError("vectorised points differ in RL settings that are not traced")
 
