@@ -29,6 +29,42 @@ import ml_collections
 
 ConfigDict = ml_collections.ConfigDict
 
+# Config keys that moved to another section, old -> new (``register_moved_key``; the module that
+# assembles the sections registers them). Setting an old key is an error naming the new one.
+_MOVED: dict[str, str] = {}
+
+
+def register_moved_key(old: str, new: str) -> None:
+    """Records that the dotted config key ``old`` is now ``new``: a config or an override that
+    still sets ``old`` raises a ``ValueError`` naming ``new`` (:func:`check_moved`), and
+    :func:`move_keys` maps saved configs onto ``new``."""
+    _MOVED[old] = new
+
+
+def _moved_error(old: str) -> ValueError:
+    return ValueError(f"config key {old!r} moved to {_MOVED[old]!r}; set {_MOVED[old]} instead")
+
+
+def check_moved(cfg: ConfigDict, keys: Sequence[str] = ()) -> None:
+    """Raises ``ValueError`` naming the new key if ``cfg`` holds, or ``keys`` name, a key that
+    moved (``register_moved_key``)."""
+    for key in keys:
+        if key in _MOVED:
+            raise _moved_error(key)
+    for old in _MOVED:
+        *path, leaf = old.split(".")
+        node = cfg
+        for part in path:
+            node = node.get(part) if isinstance(node, ConfigDict) else None
+        if isinstance(node, ConfigDict) and leaf in node:
+            raise _moved_error(old)
+
+
+def move_keys(dotted: dict[str, Any]) -> dict[str, Any]:
+    """``dotted`` (``{"a.b": value}``) with every moved key under its new name (a saved run's
+    config predating the move)."""
+    return {_MOVED.get(k, k): v for k, v in dotted.items()}
+
 
 def _literal(text: str) -> Any:
     try:
@@ -114,11 +150,13 @@ def apply_overrides(cfg: ConfigDict, overrides: Sequence[str] | dict[str, Any]) 
     """Applies ``["model.n_layers=8", ...]`` (or a dict) to a locked copy of ``cfg``.
 
     Raises:
-      ValueError: unknown key, or a value of the wrong type (message names the key).
+      ValueError: unknown key, a key that moved (``cfg``'s or an override's; the message names
+        the new key), or a value of the wrong type (message names the key).
     """
+    items = overrides.items() if isinstance(overrides, dict) else [_split(o) for o in overrides]
+    check_moved(cfg, [key for key, _ in items])
     cfg = ConfigDict(cfg.to_dict())
     cfg.lock()
-    items = overrides.items() if isinstance(overrides, dict) else (_split(o) for o in overrides)
     for key, value in items:
         node = cfg
         parts = key.split(".")
@@ -149,7 +187,7 @@ def _split(item: str) -> tuple[str, Any]:
 def _coerce(key: str, old: Any, value: Any) -> Any:
     if isinstance(old, ConfigDict):
         if isinstance(value, dict) and not old.keys():  # a free-form dict field, empty by
-            return ConfigDict(value)  # default (e.g. train.advantage_kwargs)
+            return ConfigDict(value)  # default (e.g. rl.advantage_kwargs)
         raise ValueError(f"config key {key!r} is a section; set one of its fields or a dict")
     if old is None or value is None:
         return value

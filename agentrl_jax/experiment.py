@@ -29,7 +29,14 @@ import dataclasses
 import math
 from typing import Any
 
-from agentrl_jax.config import ConfigDict, apply_overrides, to_dataclass
+from agentrl_jax.config import (
+    ConfigDict,
+    apply_overrides,
+    check_moved,
+    move_keys,
+    register_moved_key,
+    to_dataclass,
+)
 from agentrl_jax.data.pipeline import DataConfig
 from agentrl_jax.envs.registry import EnvSpec, get_env
 from agentrl_jax.hf import training as hf_training
@@ -44,6 +51,14 @@ from agentrl_jax.train.evaluate import EvalConfig, eval_data_config
 from agentrl_jax.train.loop_config import TrainConfig
 from agentrl_jax.train.sft import SFTConfig
 
+# keys that moved between sections (old -> new): setting the old one is an error naming the new
+MOVED_KEYS = {
+    "train.advantage": "rl.advantage",
+    "train.advantage_kwargs": "rl.advantage_kwargs",
+}
+for _old, _new in MOVED_KEYS.items():
+    register_moved_key(_old, _new)
+
 
 def _section(cls) -> ConfigDict:
     return ConfigDict(dataclasses.asdict(cls()))
@@ -57,9 +72,10 @@ def base_config() -> ConfigDict:
     cfg.smoke = False
     cfg.workdir = "runs"  # run directories are created under here
     cfg.env = "coderepair"  # environment registry name (agentrl_jax.envs.registry)
-    cfg.policy = "fp32"  # agentrl_jax.precision preset name
+    # agentrl_jax.precision preset name: dtypes, and parity when it ends in '-parity'
+    cfg.policy = "fp32"
     # attention kernels: 'auto' (kernels.select.select_impl: only what lowers on the backend),
-    # 'xla' or 'pallas'; replaces the preset's kernel_impl
+    # 'xla' or 'pallas'; the policy's kernel_impl (a preset sets none)
     cfg.kernel_impl = "auto"
     cfg.sweep_vectorized = False  # agentrl sweep: one vmapped learner for all points
     cfg.init = _section(InitConfig)  # a pretrained Hugging Face model to start from
@@ -106,11 +122,13 @@ def build(cfg: ConfigDict) -> Sections:
     """Builds every section of ``cfg`` and checks what spans sections.
 
     Raises:
-      ValueError (or TypeError): the first bad section, named by its own message; a data
-        section whose train split has no tasks or whose bug types the environment does not
-        have; process weights the environment does not emit; an evaluation level the
-        environment does not have; option combinations that cannot run together.
+      ValueError (or TypeError): a key that moved (``MOVED_KEYS``, naming the new key); the
+        first bad section, named by its own message; a data section whose train split has no
+        tasks or whose bug types the environment does not have; process weights the
+        environment does not emit; an evaluation level the environment does not have; option
+        combinations that cannot run together.
     """
+    check_moved(cfg)
     init = hf_training.resolve(to_dataclass(cfg.init, InitConfig))  # a .gguf: its HF directory
     env = get_env(cfg.env)
     model = to_dataclass(cfg.model, ModelConfig)
@@ -180,10 +198,10 @@ def _check_train(s: Sections) -> None:
             f"train.greedy_member needs data.group_size >= 2, not {s.data.group_size} "
             "(a group needs a sampled member)"
         )
-    if model.value_head and (loop.advantage != "gae" or rl.loss.vf_coef <= 0):
+    if model.value_head and (rl.advantage != "gae" or rl.loss.vf_coef <= 0):
         raise ValueError(
-            f"model.value_head={model.value_head!r} is a critic for train.advantage='gae' "
-            f"trained with rl.loss.vf_coef > 0 (got advantage={loop.advantage!r}, "
+            f"model.value_head={model.value_head!r} is a critic for rl.advantage='gae' "
+            f"trained with rl.loss.vf_coef > 0 (got advantage={rl.advantage!r}, "
             f"vf_coef={rl.loss.vf_coef})"
         )
     if rl.loss.vf_coef > 0 and not model.value_head:
@@ -200,7 +218,7 @@ def _check_train(s: Sections) -> None:
 
 def _dotted(node: ConfigDict, values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """``values`` (nested, as ``config.json`` stores them) as dotted keys over ``node``'s sections;
-    free-form dict fields (empty sections such as ``train.advantage_kwargs``) stay whole."""
+    free-form dict fields (empty sections such as ``rl.advantage_kwargs``) stay whole."""
     out = {}
     for key, value in values.items():
         sub = node.get(key) if isinstance(node, ConfigDict) else None
@@ -214,12 +232,13 @@ def _dotted(node: ConfigDict, values: dict[str, Any], prefix: str = "") -> dict[
 def from_saved(saved: dict[str, Any], overrides=()) -> ConfigDict:
     """A run's saved config (``config.json``) on top of ``base_config()``, then ``overrides``.
 
-    Keys the base config gained since the run was made keep their defaults.
+    Keys the base config gained since the run was made keep their defaults; keys that moved
+    since (``MOVED_KEYS``) are read under their new names.
 
     Raises:
       ValueError: a saved key the base config does not have, or a bad override.
     """
-    cfg = apply_overrides(base_config(), _dotted(base_config(), saved))
+    cfg = apply_overrides(base_config(), move_keys(_dotted(base_config(), saved)))
     return apply_overrides(cfg, list(overrides))
 
 

@@ -263,7 +263,7 @@ SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
 SMOKE_ASYNC = [
     "train.sft=False",
     "train.eval_before=False",
-    "train.advantage=episode_process",  # unequal advantages for a random model: weights move
+    "rl.advantage=episode_process",  # unequal advantages for a random model: weights move
     "rl.max_staleness=2",
     "rl.loss.tis_cap=2.0",
     "rl.sync_every_rounds=2",

@@ -59,7 +59,6 @@ def get_config(arg=None):
     # optimiser step per rollout batch, per-sequence loss, negative advantages at half weight.
     tr = cfg.train
     tr.rl_steps = 50
-    tr.advantage = "grpo"
     tr.max_turns = 8
     tr.ckpt_every = 20
     d = cfg.data
@@ -74,6 +73,7 @@ def get_config(arg=None):
     ro.chunk = 4
     ro.prefill_chunk = 64
     rl = cfg.rl
+    rl.advantage = "grpo"
     rl.lr = 5e-4
     rl.ppo_epochs = 1
     rl.n_minibatches = 1

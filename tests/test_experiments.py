@@ -9,7 +9,9 @@ import sys
 import pytest
 
 from agentrl_jax.config import apply_overrides, load_config, parse_arg, sweep_points, to_dataclass
+from agentrl_jax.experiment import base_config, build, from_saved
 from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.rl.state import RLConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")))
@@ -40,10 +42,42 @@ def test_overrides_errors_name_the_key():
         load_config("experiments/nope.py")
     with pytest.raises(ValueError, match="is a section"):
         load_config(path, ['model={"d_model": 8}'])
-    kw = load_config(path, ['train.advantage_kwargs={"eps": 0.001}']).train.advantage_kwargs
+    kw = load_config(path, ['rl.advantage_kwargs={"eps": 0.001}']).rl.advantage_kwargs
     assert kw.to_dict() == {"eps": 0.001}
     with pytest.raises(ValueError, match="n_heads"):
         to_dataclass(apply_overrides(cfg, ["model.n_heads=3"]).model, ModelConfig)
+
+
+def test_moved_keys_name_the_new_key(tmp_path):
+    """``train.advantage`` / ``train.advantage_kwargs`` live in ``rl``: setting the old key in an
+    override, an experiment module or a config built in code is an error naming the new key; a
+    saved run's config that predates the move reads under the new names."""
+    path = os.path.join(ROOT, "experiments", "default.py")
+    moved = "config key 'train.advantage' moved to 'rl.advantage'"
+    with pytest.raises(ValueError, match=moved):
+        load_config(path, ["train.advantage=rloo"])
+    module = tmp_path / "old_keys.py"
+    module.write_text(
+        "from agentrl_jax.experiment import base_config\n"
+        "def get_config(arg=None):\n"
+        "    cfg = base_config()\n"
+        "    cfg.train.advantage_kwargs = {'eps': 0.1}\n"
+        "    return cfg\n"
+    )
+    with pytest.raises(ValueError, match="'train.advantage_kwargs' moved to 'rl.advantage_kwargs'"):
+        load_config(str(module))
+    cfg = base_config()
+    cfg.train.advantage = "rloo"
+    with pytest.raises(ValueError, match=moved):
+        build(cfg)
+    saved = base_config().to_dict()
+    saved["train"] |= {"advantage": "rloo", "advantage_kwargs": {"eps": 0.1}}
+    del saved["rl"]["advantage"], saved["rl"]["advantage_kwargs"]
+    cfg = from_saved(saved)
+    assert cfg.rl.advantage == "rloo" and cfg.rl.advantage_kwargs.to_dict() == {"eps": 0.1}
+    assert "advantage" not in cfg.train
+    with pytest.raises(ValueError, match="RLConfig.advantage='nope' is not registered"):
+        RLConfig(advantage="nope")
 
 
 def test_parse_arg_literals():

@@ -1,7 +1,8 @@
 """RL trainer configuration, train state and optimiser.
 
-``RLConfig`` fixes every knob of the update (optimiser, PPO epochs/minibatches, micro-batching,
-the nested ``LossConfig``, replay switches, non-finite fallback); ``TrainState`` is the pytree
+``RLConfig`` fixes every knob of the RL algorithm (the advantage estimator, optimiser, PPO
+epochs/minibatches, micro-batching, the nested ``LossConfig``, replay switches, non-finite
+fallback, asynchrony); ``TrainState`` is the pytree
 the jitted updates of SFT and RL consume and return (donated); ``make_optimizer`` builds the one
 optax chain clip_by_global_norm -> AdamW, its learning rate and weight decay injected
 hyperparameters (``rl_optimizer``: with the RL settings and warmup(+cosine) shape).
@@ -10,6 +11,7 @@ hyperparameters (``rl_optimizer``: with the RL settings and warmup(+cosine) shap
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from agentrl_jax.precision import policy_names
+from agentrl_jax.rl.advantages import advantage_names
 from agentrl_jax.rl.losses import LossConfig
 
 OLD_LOGPROBS = ("recompute", "rollout")
@@ -25,9 +28,11 @@ PARTIAL_ROLLOUTS = ("continue", "reprefill", "abort")
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    """Every knob of the jitted RL update (hashable; bad values raise ``ValueError``).
+    """Every knob of the RL algorithm (hashable; bad values raise ``ValueError``).
 
     Attributes:
+      advantage: registered advantage estimator (``agentrl_jax.rl.advantages``).
+      advantage_kwargs: its hyperparameters (not part of the hash; equality compares them).
       lr: peak learning rate (> 0).
       warmup_steps: linear warmup from 0 over this many optimiser updates (>= 0).
       decay_steps: cosine decay to ``lr * final_lr_ratio`` over this many updates after warmup;
@@ -87,6 +92,8 @@ class RLConfig:
         (``train/mismatch_sources.py``; ``mismatch_src/extra_passes`` counts them).
     """
 
+    advantage: str = "grpo"
+    advantage_kwargs: dict = dataclasses.field(default_factory=dict, hash=False)
     lr: float = 1e-4
     warmup_steps: int = 0
     decay_steps: int = 0
@@ -114,6 +121,16 @@ class RLConfig:
     mismatch_sources: bool = False
 
     def __post_init__(self):
+        if self.advantage not in advantage_names():
+            raise ValueError(
+                f"RLConfig.advantage={self.advantage!r} is not registered; known: "
+                f"{advantage_names()}"
+            )
+        if not isinstance(self.advantage_kwargs, Mapping):
+            raise ValueError(
+                f"RLConfig.advantage_kwargs={self.advantage_kwargs!r} must be a dict of the "
+                "estimator's keyword arguments"
+            )
         if not self.lr > 0:
             raise ValueError(f"RLConfig.lr={self.lr} must be > 0")
         for field in (

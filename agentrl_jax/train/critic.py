@@ -1,4 +1,4 @@
-"""The learned critic of PPO with GAE (``model.value_head`` with ``train.advantage="gae"``).
+"""The learned critic of PPO with GAE (``model.value_head`` with ``rl.advantage="gae"``).
 
 The RL loop scores each batch with the current parameters' value head (``values``: V of the
 prefix before each token), computes GAE advantages from them, and trains the head on

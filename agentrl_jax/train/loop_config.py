@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from agentrl_jax.rl.advantages import get_advantage
-
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -15,13 +13,11 @@ class TrainConfig:
       rl_steps: update steps.
       sft: run the SFT stage first (else start from ``init_from`` or a fresh init).
       init_from: run dir or checkpoint dir whose SFT params start RL ('' = none).
-      advantage: registered advantage estimator (``agentrl_jax.rl.advantages``).
-      advantage_kwargs: its hyperparameters.
       process_weights: weight of each environment process signal (``EnvSpec.process_keys``;
         code repair: ``envs.coderepair.PROCESS_KEYS``) in ``process_rewards``; a missing key
         weighs 1.0 (``experiment.build`` checks the keys against the environment).
-        Only estimators that read process rewards use them (``episode_process``, ``prm_orm``,
-        ``gigpo``, the discounted ones).
+        Only estimators (``rl.advantage``) that read process rewards use them
+        (``episode_process``, ``prm_orm``, ``gigpo``, the discounted ones).
       max_turns: model turns per episode.
       eval_every: held-out evaluation every N steps (0: only before and after RL). Every
         evaluation writes ``eval/heldout_success``, ``..._truncated``, ``..._goal_adherence`` and
@@ -76,8 +72,6 @@ class TrainConfig:
     rl_steps: int = 40
     sft: bool = True
     init_from: str = ""
-    advantage: str = "grpo"
-    advantage_kwargs: dict = dataclasses.field(default_factory=dict)
     process_weights: dict = dataclasses.field(default_factory=dict)
     max_turns: int = 8
     eval_every: int = 0
@@ -109,4 +103,3 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.guide_source={self.guide_source!r} must be 'expert' or 'policy'"
             )
-        get_advantage(self.advantage)  # ValueError lists the registered names

@@ -9,7 +9,7 @@ is one iteration:
      groups of a round in one batched rollout; optional guidance replaces the first member of
      all-failed groups (``train/guidance.py``); the kept groups become the batch;
   2. ``score``: teacher-forced passes the batch needs: an expert episode's logprobs under the
-     current policy, attention mass (``advantage="attn_credit"``), the critic's values
+     current policy, attention mass (``rl.advantage="attn_credit"``), the critic's values
      (``train/critic.py``), the reference policy's logprobs (``train/reference.py``);
   3. advantages: the registered estimator (``rl.advantages``) on the batch's credit inputs;
   4. ``update``: one jitted update (``rl.update``) behind the precision-fallback controller;
@@ -150,8 +150,8 @@ class RLRun:
         self.sampling, self.model_cfg, self.policy, self.env = s.rollout, s.model, s.policy, s.env
         self.tokenizer = s.env.tokenizer()
         self.pipeline = TaskPipeline(s.data, "train", task_factory=s.env.task_factory())
-        advantage = get_advantage(self.loop.advantage)
-        kwargs = self.loop.advantage_kwargs
+        advantage = get_advantage(s.rl.advantage)
+        kwargs = s.rl.advantage_kwargs
         self.advantage_fn = jax.jit(lambda inputs: advantage(inputs, **kwargs))
         self.batch_size = s.data.batch_size * s.data.group_size
         self.placement = placement or Placement.default_device(s.model, s.policy)  # mesh hook
@@ -454,7 +454,7 @@ class RLRun:
                 batch["action_mask"][guided], np.asarray(logp)[: len(guided)], 0.0
             )
         attn = None
-        if self.loop.advantage == "attn_credit":  # attention mass of the current policy
+        if self.rl_cfg.advantage == "attn_credit":  # attention mass of the current policy
             attn = self._attn_mass(
                 policy, params, dev["tokens"], dev["valid"], dev["action_mask"], dev["turn_ids"]
             )

@@ -110,7 +110,7 @@ def test_loop_runs_attention_credit(tmp_path):
     from agentrl_jax.train.rl_loop import RLRun
 
     cfg = load_config(
-        SMOKE, ["train.sft=False", "train.eval_before=False", "train.advantage=attn_credit"]
+        SMOKE, ["train.sft=False", "train.eval_before=False", "rl.advantage=attn_credit"]
     )
     model_cfg = ModelConfig(**cfg.model.to_dict())
     params = init_params(Transformer(model_cfg, get_policy(cfg.policy)), jax.random.key(0))

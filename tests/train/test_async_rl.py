@@ -30,7 +30,7 @@ ASYNC = [
     "train.sft=False",
     "train.eval_before=False",
     # process rewards give a random model's episodes unequal advantages: the weights move
-    "train.advantage=episode_process",
+    "rl.advantage=episode_process",
     "rl.max_staleness=2",
     "rl.loss.tis_cap=2.0",
     "rl.sync_every_rounds=2",

@@ -49,7 +49,7 @@ SETTINGS = [
     # process rewards give the smoke model's episodes unequal advantages (its outcome rewards
     # are all 0 after 2 SFT steps): the RL steps' gradients, all-reduced across the processes,
     # are not zero
-    "train.advantage=episode_process",
+    "rl.advantage=episode_process",
     "eval.modes=('sampled',)",
     # the evaluation after RL runs the rollout's 4 slots x 16 new tokens: the sampler's
     # programs compiled for RL serve it too (2 episodes would compile a 2-slot prefill/decode)
