@@ -4,7 +4,10 @@ The sampler and the trainer receive the *same* policy object, so the numbers a r
 from are the numbers training differentiates. A policy that lets them differ says so in its name
 and is measured by the mismatch metrics (``agentrl_jax.rl.mismatch``).
 
-Presets (``get_policy(name)``):
+Presets (``get_policy(name)``) name dtypes only; the two other choices a policy carries are not
+part of a preset: ``parity`` follows from the name (the ``-parity`` presets, :func:`parity_of`),
+``kernel_impl`` is the experiment's ``kernel_impl`` key (``get_policy(name, kernel_impl=...)``);
+:meth:`DTypePolicy.describe` says all three and where each came from (the run's log prints it).
   fp32          everything fp32.
   bf16          fp32 params, bf16 matmul inputs, fp32 accumulation, fp32 softmax/router/logits.
   fp8           like bf16, but matmul inputs are quantised to float8_e4m3fn with per-tensor
@@ -35,6 +38,15 @@ _DTYPES = {
     "int8": jnp.int8,
 }
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+DTYPE_FIELDS = (
+    "param_dtype",
+    "compute_dtype",
+    "accum_dtype",
+    "attn_dtype",
+    "router_dtype",
+    "logits_dtype",
+    "kv_cache_dtype",
+)
 
 
 def _dtype_name(x) -> str:
@@ -55,9 +67,11 @@ class DTypePolicy:
       logits_dtype: dtype of vocabulary logits and logprobs; always float32.
       kv_cache_dtype: dtype of cached keys/values ('int8' means per-page-per-head scales).
       fp8_matmul: quantise matmul inputs to float8_e4m3fn with per-tensor scales.
-      kernel_impl: 'auto' | 'xla' | 'pallas' for the attention ops.
+      kernel_impl: 'auto' | 'xla' | 'pallas' for the attention ops (no preset sets it: the
+        experiment's ``kernel_impl`` key does).
       parity: training recomputes logprobs through the rollout's chunk function
-        (bitwise rollout/train agreement at some cost in speed).
+        (bitwise rollout/train agreement at some cost in speed); a preset's follows from its
+        name (:func:`parity_of`).
     """
 
     name: str = "fp32"
@@ -73,15 +87,7 @@ class DTypePolicy:
     parity: bool = False
 
     def __post_init__(self):
-        for field in (
-            "param_dtype",
-            "compute_dtype",
-            "accum_dtype",
-            "attn_dtype",
-            "router_dtype",
-            "logits_dtype",
-            "kv_cache_dtype",
-        ):
+        for field in DTYPE_FIELDS:
             value = getattr(self, field)
             if value not in _DTYPES:
                 raise ValueError(f"DTypePolicy.{field}={value!r}; allowed: {sorted(_DTYPES)}")
@@ -125,6 +131,17 @@ class DTypePolicy:
 
     def replace(self, **changes) -> DTypePolicy:
         return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line for the run's log: the dtypes, then parity and the kernel choice with where
+        each comes from (``parity`` follows from the preset's name, ``kernel_impl`` is the
+        experiment's ``kernel_impl`` key; ``'auto'`` leaves each op to ``kernels.select``)."""
+        dtypes = ", ".join(f"{f.removesuffix('_dtype')}={getattr(self, f)}" for f in DTYPE_FIELDS)
+        fp8 = ", fp8 matmul inputs" if self.fp8_matmul else ""
+        return (
+            f"dtype policy {self.name!r}: {dtypes}{fp8}; parity={self.parity} (from the policy "
+            f"name); kernel_impl={self.kernel_impl!r} (the kernel_impl key)"
+        )
 
     # Matmul ---------------------------------------------------------------------------------
     def einsum(self, subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -256,18 +273,17 @@ def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return xq, jax.lax.stop_gradient(scale)
 
 
-_PRESETS = {
-    "fp32": DTypePolicy(name="fp32"),
-    "bf16": DTypePolicy(name="bf16", compute_dtype="bfloat16", kv_cache_dtype="bfloat16"),
-    "fp8": DTypePolicy(
-        name="fp8", compute_dtype="bfloat16", kv_cache_dtype="bfloat16", fp8_matmul=True
-    ),
-    "fp32-parity": DTypePolicy(name="fp32-parity", parity=True),
-    "bf16-parity": DTypePolicy(
-        name="bf16-parity", compute_dtype="bfloat16", kv_cache_dtype="bfloat16", parity=True
-    ),
-    "bf16-int8kv": DTypePolicy(name="bf16-int8kv", compute_dtype="bfloat16", kv_cache_dtype="int8"),
+# The presets: ``DTYPE_FIELDS`` and ``fp8_matmul`` only (parity and kernel_impl are not theirs).
+_BF16 = {"compute_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}
+_PRESETS: dict[str, dict] = {
+    "fp32": {},
+    "bf16": _BF16,
+    "fp8": {**_BF16, "fp8_matmul": True},
+    "fp32-parity": {},
+    "bf16-parity": _BF16,
+    "bf16-int8kv": {"compute_dtype": "bfloat16", "kv_cache_dtype": "int8"},
 }
+PARITY_SUFFIX = "-parity"
 
 
 def policy_names() -> list[str]:
@@ -275,8 +291,17 @@ def policy_names() -> list[str]:
     return sorted(_PRESETS)
 
 
+def parity_of(name: str) -> bool:
+    """Whether the preset ``name`` trains through the rollout's chunk function: the
+    ``-parity`` presets do (bitwise sampler/trainer logprobs), the others do not."""
+    return name.endswith(PARITY_SUFFIX)
+
+
 def get_policy(name: str | DTypePolicy, **overrides) -> DTypePolicy:
-    """Returns the preset policy ``name`` (optionally with fields replaced).
+    """Returns the preset policy ``name`` (optionally with fields replaced): the preset's dtypes,
+    ``parity`` from its name (:func:`parity_of`) and the default ``kernel_impl``; an override
+    replaces any of them (``kernel_impl=`` is how an experiment's ``kernel_impl`` key reaches
+    the policy).
 
     Raises:
       ValueError: unknown name or invalid override.
@@ -286,7 +311,7 @@ def get_policy(name: str | DTypePolicy, **overrides) -> DTypePolicy:
     else:
         if name not in _PRESETS:
             raise ValueError(f"unknown dtype policy {name!r}; known: {policy_names()}")
-        policy = _PRESETS[name]
+        policy = DTypePolicy(name=name, parity=parity_of(name), **_PRESETS[name])
     if overrides:
         unknown = set(overrides) - {f.name for f in dataclasses.fields(DTypePolicy)}
         if unknown:
