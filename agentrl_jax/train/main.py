@@ -72,9 +72,8 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
     place = Placement(sections.mesh, sections.model, sections.policy)  # the mesh fits, or fail
     log.info("%s", sections.policy.describe())
     rl = sections.rl
-    log.info(
-        "advantage %r %s, policy loss %r", rl.advantage, rl.advantage_kwargs or "", rl.loss.name
-    )
+    kwargs = f" {dict(rl.advantage_kwargs)}" if rl.advantage_kwargs else ""
+    log.info("advantage %r%s, policy loss %r", rl.advantage, kwargs, rl.loss.name)
     if resume_dir:
         done = _on_primary(lambda: _finished(run_dir, sections))
         if done is not None:
