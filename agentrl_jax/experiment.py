@@ -135,6 +135,7 @@ def build(cfg: ConfigDict) -> Sections:
     if init.hf_path:
         model = hf_training.model_config(init.hf_path, model)
         env = hf_training.chat_env(env, init.hf_path)
+    model = model.check_trainable()
     s = Sections(
         env=env,
         init=init,

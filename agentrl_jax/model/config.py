@@ -59,7 +59,7 @@ class ModelConfig:
         embeddings, the output projection too) are not trained: teacher-forced passes stop the
         gradient above them (``chunked.sequence_logprobs`` runs them unstacked so the backward
         pass skips them) and the optimisers leave them unchanged (``rl.state.freeze_lower``);
-        in ``[0, n_groups)``.
+        in ``[0, n_groups)`` (``check_trainable``).
       init_std: stddev of weight init (output projections scaled by 1/sqrt(2*n_layers)).
       value_head: '' (none) | 'shared' | 'detached': a linear critic V(prefix) on the final
         normed hidden state (``extras['values']``, zero-initialised), trained by the RL value
@@ -191,11 +191,9 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.capacity_factor={self.capacity_factor} must be >= 0")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; allowed: {REMAT_POLICIES}")
-        if not 0 <= self.frozen_groups < self.n_groups:
-            raise ValueError(
-                f"ModelConfig.frozen_groups={self.frozen_groups} must be in [0, "
-                f"n_groups={self.n_groups})"
-            )
+        if self.frozen_groups < 0:  # the upper bound: ``check_trainable`` (a pretrained
+            # model's section is built before its config.json gives the depth)
+            raise ValueError(f"ModelConfig.frozen_groups={self.frozen_groups} must be >= 0")
         if self.value_head not in VALUE_HEADS:
             raise ValueError(f"ModelConfig.value_head={self.value_head!r}; allowed: {VALUE_HEADS}")
         for field in ("rope_theta", "norm_eps", "init_std"):
@@ -282,6 +280,15 @@ class ModelConfig:
         return max(
             1, math.ceil(self.capacity_factor * n_tokens * self.experts_per_token / self.n_experts)
         )
+
+    def check_trainable(self) -> ModelConfig:
+        """``self``, or ValueError when ``frozen_groups`` leaves no group to train."""
+        if self.frozen_groups >= self.n_groups:
+            raise ValueError(
+                f"ModelConfig.frozen_groups={self.frozen_groups} must be < n_groups="
+                f"{self.n_groups} (n_layers={self.n_layers} / len(layer_pattern))"
+            )
+        return self
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -307,7 +307,7 @@ def training_view(model: Transformer, params) -> tuple[Transformer, dict]:
     ``cfg.frozen_groups`` the groups run unstacked (a depth scan's backward pass runs every
     group, the frozen ones too); else both unchanged. Gradients reach the stacked parameters
     through the slices."""
-    if not model.cfg.frozen_groups or model.unstacked:
+    if not model.cfg.check_trainable().frozen_groups or model.unstacked:
         return model, params
     return model.clone(unstacked=True), unstack_groups(params, model.cfg.n_groups)
 

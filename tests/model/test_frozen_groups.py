@@ -78,7 +78,9 @@ def test_optimizer_leaves_frozen_parameters_unchanged(params):
     assert np.all(np.asarray(inner["final_norm"]["scale"]) != 0)
 
 
-@pytest.mark.parametrize("bad", [-1, 4])
-def test_bad_frozen_groups(bad):
-    with pytest.raises(ValueError, match="frozen_groups"):
-        CFG.replace(frozen_groups=bad)
+def test_bad_frozen_groups(params):
+    with pytest.raises(ValueError, match="frozen_groups=-1 must be >= 0"):
+        CFG.replace(frozen_groups=-1)
+    every = Transformer(CFG.replace(frozen_groups=4), get_policy("fp32"))
+    with pytest.raises(ValueError, match="frozen_groups=4 must be < n_groups=4"):
+        training_view(every, params)
