@@ -63,6 +63,12 @@ def fixed_order_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return picked - lse
 
 
+def tempered(logits: jax.Array, temperature: float) -> jax.Array:
+    """float32 ``logits / temperature``: the logits of the distribution a sampler at that
+    temperature draws from (one definition for the sampler and the trainer)."""
+    return logits.astype(jnp.float32) / jnp.float32(temperature)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkSpec:
     """The sampler's chunk geometry that the parity recompute must reproduce.
@@ -73,12 +79,16 @@ class ChunkSpec:
       max_len: the sampler's cache capacity per sequence (>= T); None = T.
       n_slots: the sampler's batch size; the trainer's no-gradient recompute runs micro-batches
         of this size so that its logprobs are bitwise the rollout's. None = the whole batch.
+      temperature: the sampler's temperature (> 0). The policy being trained is the
+        distribution the sampler draws from, ``softmax(logits / temperature)``: training's
+        logprobs and entropies are of it (both paths), as the sampler's logprobs are.
     """
 
     chunk: int = 4
     page_size: int = 16
     max_len: int | None = None
     n_slots: int | None = None
+    temperature: float = 1.0
 
     def __post_init__(self):
         if self.chunk < 1:
@@ -89,6 +99,8 @@ class ChunkSpec:
             raise ValueError(f"ChunkSpec.max_len={self.max_len} must be >= 1 or None")
         if self.n_slots is not None and self.n_slots < 1:
             raise ValueError(f"ChunkSpec.n_slots={self.n_slots} must be >= 1 or None")
+        if not self.temperature > 0:
+            raise ValueError(f"ChunkSpec.temperature={self.temperature} must be > 0")
 
 
 def as_chunk_spec(meta: Any) -> ChunkSpec | None:
@@ -110,6 +122,7 @@ def as_chunk_spec(meta: Any) -> ChunkSpec | None:
         page_size=int(get("page_size", 16)),
         max_len=get("max_len"),
         n_slots=get("n_slots"),
+        temperature=float(get("temperature", 1.0)),
     )
 
 
@@ -225,8 +238,9 @@ def sequence_logprobs(
       int8_at: int32 [B, T] recorded int8 KV decisions to replay (parity policies only).
       replay_blocks: int32 [B, T, L_F, K, n] recorded sparse block selections to replay (both
         paths).
-      chunk_spec: ``ChunkSpec`` (or anything :func:`as_chunk_spec` accepts); required by parity
-        policies.
+      chunk_spec: ``ChunkSpec`` (or anything :func:`as_chunk_spec` accepts, e.g. the sampler's
+        ``RolloutConfig``); required by parity policies. Its ``temperature`` tempers the logits
+        in either path.
       with_entropy: also return the per-token entropy of the predictive distribution.
 
     Returns:
@@ -246,8 +260,8 @@ def sequence_logprobs(
         # capacity in the chunked path (where every row takes capacity) and drop other rows'
         # pairs, which the sampler never did.
         replay_routes = jnp.where(valid.astype(bool)[:, :, None, None], replay_routes, -1)
+    spec = as_chunk_spec(chunk_spec)
     if model.policy.parity:
-        spec = as_chunk_spec(chunk_spec)
         if spec is None:
             raise ValueError(
                 f"policy {model.policy.name!r} is a parity policy: pass chunk_spec (the sampler's "
@@ -270,6 +284,8 @@ def sequence_logprobs(
         logits, _, extras = model.apply(
             params, tokens, valid=valid, replay_routes=replay_routes, replay_blocks=replay_blocks
         )
+    if spec is not None and spec.temperature != 1.0:
+        logits = tempered(logits, spec.temperature)
     logp = fixed_order_logprobs(logits[:, :-1], tokens[:, 1:])
     entropy = token_entropy(logits[:, :-1]) if with_entropy else None
     return logp, entropy, extras

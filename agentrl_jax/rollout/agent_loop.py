@@ -85,7 +85,7 @@ class AgentLoop:
       options: the :class:`LoopOptions` (default ``LoopOptions()``).
       group_ids: per task group id (default: the task index).
       greedy: per task, decode that episode greedily (argmax) although ``sampling_cfg``
-        samples; its logprobs are still the untempered policy's. Default: none.
+        samples; its logprobs are still the sampling policy's (at its temperature). Default: none.
       stats: counters filled in place (default: new ones, ``self.state.stats``).
       env_executor: runs the environment steps of a round concurrently (``executor.map``);
         None steps them one after the other.

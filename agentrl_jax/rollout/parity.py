@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentrl_jax.model.chunked import NEVER, ChunkSpec, sequence_logprobs
+from agentrl_jax.model.chunked import NEVER, as_chunk_spec, sequence_logprobs
 from agentrl_jax.model.transformer import Transformer
 from agentrl_jax.precision import DTypePolicy
 from agentrl_jax.rollout.sampler import RolloutConfig
@@ -63,11 +63,10 @@ def rollout_aligned_logprobs(
       ValueError: a parity policy without ``sampling_cfg``, or ``evict_at`` / ``int8_at``
         without one.
     """
-    spec = None
+    spec = as_chunk_spec(sampling_cfg)  # the sampler's chunk geometry and temperature
     if model.policy.parity:
         if sampling_cfg is None:
             raise ValueError("a parity policy needs the sampler's sampling_cfg")
-        spec = ChunkSpec(sampling_cfg.chunk, sampling_cfg.page_size, sampling_cfg.max_len)
     elif evict_at is not None or int8_at is not None:
         raise ValueError("evict_at / int8_at (KV replay) needs a parity policy")
     lp, _, extras = sequence_logprobs(
@@ -154,7 +153,7 @@ def trainer_logprobs(
     if replay_kv and traj.kv_int8_at is not None and (np.asarray(traj.kv_int8_at) != NEVER).any():
         int8 = np.asarray(traj.kv_int8_at, np.int32)
     replay = "int8" if int8 is not never else bool(replay_kv)
-    fn = _logprob_fn(model.cfg, policy, sampling_cfg if policy.parity else None, replay)
+    fn = _logprob_fn(model.cfg, policy, sampling_cfg, replay)
     mb = b if (n_slots is None or not policy.parity) else n_slots
     blocks = np.asarray(traj.sparse_blocks, np.int32) if replay_blocks else None
     outs, routes = [], []

@@ -37,11 +37,11 @@ call may be partial): a chunk never straddles a multiple of ``Cp``, which is whe
 eviction / int8 quantisation takes effect (see ``kv_cache.py``), so training replays the same
 visibility and the same int8 round trips per chunk.
 
-Logprobs: each sampled token's logprob is ``log_softmax(logits)[token]`` of the fp32 logits
-*before* temperature / top-k / top-p, i.e. the untempered policy that the trainer differentiates
-(``token_logprobs`` of the teacher-forced logits). With ``temperature == 1`` and no filtering
-this is exactly the behaviour distribution; otherwise the sampler draws from a sharpened or
-truncated distribution and the difference is a deliberate off-policy gap the RL loss sees.
+Logprobs: each sampled token's logprob is ``log_softmax(logits / temperature)[token]`` of the
+fp32 logits (``chunked.tempered``) *before* top-k / top-p, i.e. the tempered policy that the
+trainer differentiates (its teacher-forced logits tempered by the same temperature, carried in
+``ChunkSpec.temperature``). Without filtering this is exactly the behaviour distribution; top-k
+/ top-p draw from a truncated one, a deliberate off-policy gap the RL loss sees.
 
 Randomness: the key of the token at position p of episode ``uid`` is
 ``fold_in(fold_in(rng, uid), p)``, so tokens do not depend on slot, batch composition or
@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from agentrl_jax.kernels import on_multi_device_mesh
-from agentrl_jax.model.chunked import NEVER, fixed_order_logprobs
+from agentrl_jax.model.chunked import NEVER, fixed_order_logprobs, tempered
 from agentrl_jax.model.decode_params import (
     can_pack,
     fuse_projections,
@@ -113,7 +113,7 @@ class DecodeOut(NamedTuple):
 
     Attributes:
       tokens: int32 [B, N] sampled tokens (first ``n_new[b]`` valid).
-      logprobs: float32 [B, N] untempered logprobs of those tokens.
+      logprobs: float32 [B, N] logprobs of those tokens (``sample_tokens``).
       routes: int32 [B, N, L_moe, k] routes of each token's own forward (MoE) or None.
       n_new: int32 [B] tokens generated per slot in this call.
       finished: bool [B] the slot's turn ended (stop token or budget) in this call.
@@ -128,7 +128,7 @@ class DecodeOut(NamedTuple):
 
 def filter_logits(logits: jax.Array, cfg: RolloutConfig) -> jax.Array:
     """Sampling logits: fp32 [..., V] / temperature, top-k then top-p masked to -inf."""
-    x = logits.astype(jnp.float32) / jnp.float32(cfg.temperature)
+    x = tempered(logits, cfg.temperature)
     if cfg.top_k and cfg.top_k < x.shape[-1]:
         kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
         x = jnp.where(x < kth, -jnp.inf, x)
@@ -177,8 +177,8 @@ def sample_tokens(
     """Samples one token per row. logits fp32 [B, V], keys [B] -> (int32 [B], logprob f32 [B]).
 
     ``greedy_rows`` (bool [B], optional): rows that take the argmax even when ``cfg`` samples
-    (the other rows' tokens are unchanged). The logprob is of the untempered, unfiltered
-    distribution (module docstring).
+    (the other rows' tokens are unchanged). The logprob is of the tempered, unfiltered
+    distribution (module docstring; greedy decoding: the untempered one).
     """
     with jax.named_scope("sample"):  # the scope ``benchmarks/decode_profile.py`` reads
         logits = logits.astype(jnp.float32)
@@ -190,6 +190,8 @@ def sample_tokens(
             if greedy_rows is not None:
                 tok = jnp.where(greedy_rows, first_argmax(logits), tok)
         tok = tok.astype(jnp.int32)
+        if not cfg.greedy and cfg.temperature != 1.0:
+            logits = tempered(logits, cfg.temperature)
         return tok, fixed_order_logprobs(logits, tok)
 
 

@@ -5,7 +5,7 @@ Layout (B episodes padded to T tokens; numpy arrays from the rollout, any array 
   valid             bool  [B, T]  non-padding
   action_mask       bool  [B, T]  tokens the model sampled (losses and logprobs apply there)
   turn_ids          int32 [B, T]  0 prompt, k on model turn k and its observation, -1 padding
-  rollout_logprobs  f32   [B, T]  log p(tokens[b,t] | tokens[b,:t]) under the untempered policy
+  rollout_logprobs  f32   [B, T]  log p(tokens[b,t] | tokens[b,:t]) under the sampled policy
                                   (0 off actions); compare with token_logprobs(logits[:, :-1],
                                   tokens[:, 1:]) at positions 1..T-1
   routes            int32 [B, T, L_moe, k] or None: experts each token's own forward used; -1

@@ -35,7 +35,7 @@ class TrainConfig:
       greedy_member: the last rollout of each group decodes greedily (argmax, as greedy
         evaluation does) instead of sampling. Greedy-only failures (e.g. repeating a rejected
         call) then reach the gradient: a greedy member that fails where its sampled siblings
-        succeed gets a negative advantage. Its logprobs are the untempered policy's, like every
+        succeed gets a negative advantage. Its logprobs are the sampling policy's, like every
         rollout's. One at most: two greedy members would play the same episode. Needs
         ``data.group_size >= 2``.
       guide_groups: off-policy guidance (LUFFY-style, 0 = off): in up to this many groups per
