@@ -179,6 +179,7 @@ def _job(
     summary = stages.summary(
         prior,
         after,
+        model=stages.model_name(cfg, rl.state.params),
         eval_split=sections.eval.split,
         entropies=entropy,
         nonfinite_steps=int(rl.state.nonfinite_count),

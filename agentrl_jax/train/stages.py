@@ -22,7 +22,7 @@ from agentrl_jax import multihost
 from agentrl_jax.config import ConfigDict
 from agentrl_jax.hf import load_pretrained
 from agentrl_jax.metrics import MetricsWriter, load_config_json, plain
-from agentrl_jax.model.transformer import Transformer, init_params
+from agentrl_jax.model.transformer import Transformer, init_params, param_count
 from agentrl_jax.train.checkpoint import restore_params, stage_dir
 from agentrl_jax.train.eval_stats import paired_gain
 from agentrl_jax.train.evaluate import evaluate_split
@@ -207,6 +207,7 @@ def gains(before: dict | None, after: dict) -> dict[str, Any] | None:
 
 
 SUMMARY_KEYS = (
+    "model",
     "heldout_success_before_rl",
     "heldout_success_after_rl",
     "goal_adherence_before_rl",
@@ -225,10 +226,21 @@ SUMMARY_KEYS = (
 )  # what summary() returns, in order (a finished run's summary is read back by these keys)
 
 
+def model_name(cfg: ConfigDict, params) -> str:
+    """What a run trains, for its summary: the pretrained source (``init.hf_path`` as given, a
+    GGUF file or Hugging Face directory) or the experiment's own randomly initialised model,
+    with the parameter count."""
+    n = f"{param_count(params) / 1e6:.1f}M parameters"
+    if cfg.init.hf_path:
+        return f"{os.path.basename(os.path.normpath(cfg.init.hf_path))} ({n})"
+    return f"{cfg.name} model, trained from scratch ({n})"
+
+
 def summary(
     prior: dict,
     after: dict,
     *,
+    model: str,
     eval_split: str,
     entropies: list[float],
     nonfinite_steps: int,
@@ -241,6 +253,7 @@ def summary(
     finite = [e for e in entropies if np.isfinite(e)]
     before = prior.get("eval_before")
     out = {
+        "model": model,
         "heldout_success_before_rl": prior.get("heldout_success_before_rl"),
         "heldout_success_after_rl": mode_value(after, "success"),
         "goal_adherence_before_rl": prior.get("goal_adherence_before_rl"),

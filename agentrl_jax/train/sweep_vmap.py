@@ -220,6 +220,7 @@ def finish_point(p: Point, before: dict | None, t0: float) -> dict:
     summary = stages.summary(
         prior,
         after,
+        model=stages.model_name(p.cfg, p.rl.state.params),
         eval_split=p.sections.eval.split,
         entropies=p.entropies,
         nonfinite_steps=int(p.rl.state.nonfinite_count),

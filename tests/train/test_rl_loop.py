@@ -48,6 +48,7 @@ def test_main_job_smoke(tmp_path):
         "run_dir",
     ):
         assert key in summary, key
+    assert summary["model"].startswith("default model, trained from scratch (")
     run_dir = summary["run_dir"]
     assert summary["nonfinite_steps"] == 0
     gain = summary["heldout_gain"]["greedy"]  # paired over the same held-out tasks

@@ -8,7 +8,7 @@ lvl   bugs  where                    program shown   max turns  problems
 0     1     the tested function      yes             10         HumanEval
 1     2     the tested function      yes             14         HumanEval
 2     1     one of up to 3 helpers   no (``view``)   14         HumanEval
-3     1     the tested function      yes, + failure  3          basics
+3     1     the tested function      yes, + failure  2          basics
 ====  ====  =======================  ==============  =========  ========
 
 At level 2 parts of the tested function are moved into helper functions (each checked to keep
@@ -116,7 +116,7 @@ DIFFICULTIES: tuple[EnvConfig, ...] = (
     EnvConfig(n_bugs=1, max_turns=10),
     EnvConfig(n_bugs=2, max_turns=14),
     EnvConfig(n_bugs=1, n_helpers=3, bug_in_helper=True, show_program=False, max_turns=14),
-    EnvConfig(n_bugs=1, max_turns=3, source="basics", show_failure=True, code_action=True),
+    EnvConfig(n_bugs=1, max_turns=2, source="basics", show_failure=True, code_action=True),
 )
 BUGS_PER_DIFFICULTY = tuple(c.n_bugs for c in DIFFICULTIES)
 

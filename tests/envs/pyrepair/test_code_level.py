@@ -37,6 +37,7 @@ def test_write_code_runs_the_tests_and_submits_when_they_pass(task):
     obs, res = env.step_call("write_code", {"code": task.solution})
     assert not res.done and obs.startswith("The tests still fail") and obs.endswith(CODE_REPLY)
     assert res.log["tool"] == "write_code" and not res.log["error"]
+    env.reset_text(task)
     obs, res = env.step_call(None, None, "no ```python code block in the reply")
     assert not res.done and res.process["rejected"] == -1.0 and obs.endswith(CODE_REPLY)
     obs, res = env.step_call("write_code", {"code": task.reference})
@@ -48,10 +49,9 @@ def test_out_of_tries_and_the_other_tools_refused(task):
     env = PyRepairEnv()
     env.reset_text(task)
     _, res = env.step_call("run_tests", {})
-    assert res.log["error"] and "unknown tool 'run_tests'" in res.log["output"]
+    assert res.log["error"] and "unknown tool 'run_tests'" in res.log["output"] and not res.done
+    assert task.config.max_turns == 2
     _, res = env.step_call("write_code", {"code": "def f(:\n"})
-    assert not res.done
-    _, res = env.step_call("write_code", {"code": task.solution})
     assert res.done and res.outcome_reward == 0.0 and not res.log["success"]
     assert len(TOOL_SPECS) == 4 and CODE_TOOL_SPECS[0].name == "write_code"
 
