@@ -41,6 +41,7 @@ from agentrl_jax.data.pipeline import DataConfig
 from agentrl_jax.envs.registry import EnvSpec, get_env
 from agentrl_jax.hf import training as hf_training
 from agentrl_jax.hf.training import InitConfig
+from agentrl_jax.kernels import OPS
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.precision import DTypePolicy, get_policy
 from agentrl_jax.rl.losses import LossConfig
@@ -74,9 +75,13 @@ def base_config() -> ConfigDict:
     cfg.env = "coderepair"  # environment registry name (agentrl_jax.envs.registry)
     # agentrl_jax.precision preset name: dtypes, and parity when it ends in '-parity'
     cfg.policy = "fp32"
-    # attention kernels: 'auto' (kernels.select.select_impl: only what lowers on the backend),
+    # attention kernels: 'auto' (kernels.select.TABLE: only what lowers on the backend),
     # 'xla' or 'pallas'; the policy's kernel_impl (a preset sets none)
     cfg.kernel_impl = "auto"
+    # one op's implementation (kernels.select.TABLE's rows), overriding kernel_impl for it:
+    # 'auto' leaves it to the table's rule; decode_matmul='xla' keeps the one-row decode's
+    # weights unpacked (model.decode_params)
+    cfg.kernels = ConfigDict({op: "auto" for op in OPS})
     cfg.sweep_vectorized = False  # agentrl sweep: one vmapped learner for all points
     cfg.init = _section(InitConfig)  # a pretrained Hugging Face model to start from
     cfg.model = _section(ModelConfig)
@@ -155,11 +160,9 @@ def build(cfg: ConfigDict) -> Sections:
 
 
 def _policy(cfg: ConfigDict) -> DTypePolicy:
-    """The ``policy`` preset with the config's ``kernel_impl``."""
-    allowed = ("auto", "xla", "pallas")
-    if cfg.kernel_impl not in allowed:
-        raise ValueError(f"kernel_impl={cfg.kernel_impl!r}; allowed: {allowed}")
-    return get_policy(cfg.policy, kernel_impl=cfg.kernel_impl)
+    """The ``policy`` preset with the config's kernel choices (``kernel_impl``, ``kernels``);
+    ``DTypePolicy`` checks them."""
+    return get_policy(cfg.policy, kernel_impl=cfg.kernel_impl, kernels=dict(cfg.kernels))
 
 
 def _check_env(s: Sections) -> None:

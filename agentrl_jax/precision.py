@@ -4,10 +4,12 @@ The sampler and the trainer receive the *same* policy object, so the numbers a r
 from are the numbers training differentiates. A policy that lets them differ says so in its name
 and is measured by the mismatch metrics (``agentrl_jax.rl.mismatch``).
 
-Presets (``get_policy(name)``) name dtypes only; the two other choices a policy carries are not
+Presets (``get_policy(name)``) name dtypes only; the other choices a policy carries are not
 part of a preset: ``parity`` follows from the name (the ``-parity`` presets, :func:`parity_of`),
-``kernel_impl`` is the experiment's ``kernel_impl`` key (``get_policy(name, kernel_impl=...)``);
-:meth:`DTypePolicy.describe` says all three and where each came from (the run's log prints it).
+the kernel choices are the experiment's ``kernel_impl`` key (every attention op) and its
+``kernels`` section (one op each: ``get_policy(name, kernel_impl=..., kernels=...)``, resolved
+by ``kernels.select.TABLE`` through :meth:`DTypePolicy.kernel_choice`);
+:meth:`DTypePolicy.describe` says them all and where each came from (the run's log prints it).
   fp32          everything fp32.
   bf16          fp32 params, bf16 matmul inputs, fp32 accumulation, fp32 softmax/router/logits.
   fp8           like bf16, but matmul inputs are quantised to float8_e4m3fn with per-tensor
@@ -29,6 +31,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from agentrl_jax.kernels import ATTENTION_OPS, check_impl
 
 _DTYPES = {
     "float32": jnp.float32,
@@ -67,8 +71,11 @@ class DTypePolicy:
       logits_dtype: dtype of vocabulary logits and logprobs; always float32.
       kv_cache_dtype: dtype of cached keys/values ('int8' means per-page-per-head scales).
       fp8_matmul: quantise matmul inputs to float8_e4m3fn with per-tensor scales.
-      kernel_impl: 'auto' | 'xla' | 'pallas' for the attention ops (no preset sets it: the
-        experiment's ``kernel_impl`` key does).
+      kernel_impl: 'auto' | 'xla' | 'pallas' for the attention ops (``kernels.ATTENTION_OPS``;
+        no preset sets it: the experiment's ``kernel_impl`` key does).
+      kernels: per-op choices ``((op, impl), ...)`` that override ``kernel_impl`` (any op of
+        ``kernels.OPS``, any of its impls); given as a mapping, kept sorted without the 'auto'
+        entries (the experiment's ``kernels`` section).
       parity: training recomputes logprobs through the rollout's chunk function
         (bitwise rollout/train agreement at some cost in speed); a preset's follows from its
         name (:func:`parity_of`).
@@ -84,6 +91,7 @@ class DTypePolicy:
     kv_cache_dtype: str = "float32"
     fp8_matmul: bool = False
     kernel_impl: str = "auto"
+    kernels: tuple[tuple[str, str], ...] = ()
     parity: bool = False
 
     def __post_init__(self):
@@ -99,6 +107,22 @@ class DTypePolicy:
             raise ValueError(
                 f"DTypePolicy.kernel_impl={self.kernel_impl!r}; allowed: 'auto', 'xla', 'pallas'"
             )
+        pairs = dict(self.kernels)
+        for op, impl in pairs.items():
+            try:
+                check_impl(op, impl)
+            except ValueError as e:
+                raise ValueError(f"DTypePolicy.kernels: {e}") from None
+        chosen = tuple(sorted((op, impl) for op, impl in pairs.items() if impl != "auto"))
+        object.__setattr__(self, "kernels", chosen)
+
+    def kernel_choice(self, op: str) -> str:
+        """The impl asked for ``op`` ('auto' or a name of ``kernels.OP_IMPLS[op]``): its entry
+        in ``kernels``, else ``kernel_impl`` for an attention op, else 'auto'."""
+        chosen = dict(self.kernels).get(op, "auto")
+        if chosen == "auto" and op in ATTENTION_OPS:
+            return self.kernel_impl
+        return chosen
 
     # Dtype objects -------------------------------------------------------------------------
     @property
@@ -133,14 +157,18 @@ class DTypePolicy:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
-        """One line for the run's log: the dtypes, then parity and the kernel choice with where
+        """One line for the run's log: the dtypes, then parity and the kernel choices with where
         each comes from (``parity`` follows from the preset's name, ``kernel_impl`` is the
-        experiment's ``kernel_impl`` key; ``'auto'`` leaves each op to ``kernels.select``)."""
+        experiment's ``kernel_impl`` key, per-op choices its ``kernels`` section; ``'auto'``
+        leaves each op to ``kernels.select.TABLE``; ``model.dispatch.describe`` says what
+        they resolve to)."""
         dtypes = ", ".join(f"{f.removesuffix('_dtype')}={getattr(self, f)}" for f in DTYPE_FIELDS)
         fp8 = ", fp8 matmul inputs" if self.fp8_matmul else ""
+        ops = ", ".join(f"{op}={impl!r}" for op, impl in self.kernels)
+        per_op = f"; kernels {ops} (the kernels section)" if ops else ""
         return (
             f"dtype policy {self.name!r}: {dtypes}{fp8}; parity={self.parity} (from the policy "
-            f"name); kernel_impl={self.kernel_impl!r} (the kernel_impl key)"
+            f"name); kernel_impl={self.kernel_impl!r} (the kernel_impl key){per_op}"
         )
 
     # Matmul ---------------------------------------------------------------------------------
@@ -273,7 +301,7 @@ def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return xq, jax.lax.stop_gradient(scale)
 
 
-# The presets: ``DTYPE_FIELDS`` and ``fp8_matmul`` only (parity and kernel_impl are not theirs).
+# The presets: ``DTYPE_FIELDS`` and ``fp8_matmul`` only (parity and kernels are not theirs).
 _BF16 = {"compute_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}
 _PRESETS: dict[str, dict] = {
     "fp32": {},
@@ -299,9 +327,9 @@ def parity_of(name: str) -> bool:
 
 def get_policy(name: str | DTypePolicy, **overrides) -> DTypePolicy:
     """Returns the preset policy ``name`` (optionally with fields replaced): the preset's dtypes,
-    ``parity`` from its name (:func:`parity_of`) and the default ``kernel_impl``; an override
-    replaces any of them (``kernel_impl=`` is how an experiment's ``kernel_impl`` key reaches
-    the policy).
+    ``parity`` from its name (:func:`parity_of`) and the default kernel choices; an override
+    replaces any of them (``kernel_impl=`` and ``kernels=`` are how an experiment's
+    ``kernel_impl`` key and ``kernels`` section reach the policy).
 
     Raises:
       ValueError: unknown name or invalid override.

@@ -89,9 +89,18 @@ class Run(NamedTuple):
     chunk: int
 
 
-def build(kind: str, pattern: str, batch: int, policy, chunk: int, decode_kernel: bool) -> Run:
+def build(
+    kind: str,
+    pattern: str,
+    batch: int,
+    policy,
+    chunk: int,
+    decode_kernel: bool,
+    rollout: dict | None = None,
+) -> Run:
     """The benchmark's rollout of ``batch`` prompts of PROMPT tokens and NEW new ones under
-    ``policy`` (a ``DTypePolicy``; parity policies decode in chunks of 4), compiled."""
+    ``policy`` (a ``DTypePolicy``; parity policies decode in chunks of 4), compiled;
+    ``rollout``: further ``RolloutConfig`` fields (e.g. ``transpose_head=False``)."""
     mcfg = bench_model(kind, pattern)
     model = Transformer(mcfg, policy)
     params = init_params(model, jax.random.key(0))
@@ -104,6 +113,7 @@ def build(kind: str, pattern: str, batch: int, policy, chunk: int, decode_kernel
         prefill_chunk=None if policy.parity else PROMPT,
         stop_tokens=(),
         decode_kernel=decode_kernel,
+        **(rollout or {}),
     )
     sampler = Sampler(model, cfg)
     rng = jax.random.key(1)

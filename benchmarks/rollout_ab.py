@@ -1,9 +1,10 @@
-"""One sampler fast-path switch off and on, in one process (JSON lines).
+"""One sampler fast path off and on, in one process (JSON lines).
 
-The sampler's fast paths are module-level switches of ``agentrl_jax.rollout.sampler``, read
-when a prefill or decode is traced (``PACK_WEIGHTS``: the one-row decode's weight matmuls
-through the skinny-matmul kernel; ``TRANSPOSE_HEAD``: the tied head against its table
-transposed once; ``LAST_ROW_LOGITS``: the prefill's head on each sequence's last row only).
+Each switch names a fast path and the options that turn it off (``SWITCHES``): ``PACK_WEIGHTS``,
+the one-row decode's weight matmuls through the skinny-matmul kernel (off: the experiment's
+``kernels.decode_matmul='xla'``, a policy field); ``TRANSPOSE_HEAD``, the tied head against its
+table transposed once (off: ``RolloutConfig.transpose_head=False``); ``LAST_ROW_LOGITS``, the
+prefill's head on each sequence's last row only (off: ``RolloutConfig.last_row_logits=False``).
 Per model and batch the benchmark rollout (``rollout.build``: prompt 64, 128 new tokens,
 pattern ``D``, fp32) is compiled with the switch off, then on, and the two calls alternate
 (``common.time_interleaved``), so a shared machine's drift hits both alike.
@@ -27,23 +28,24 @@ from common import env_fields, load_avg, time_interleaved
 from rollout import build
 
 from agentrl_jax.precision import get_policy
-from agentrl_jax.rollout import sampler
 
-SWITCHES = ("PACK_WEIGHTS", "TRANSPOSE_HEAD", "LAST_ROW_LOGITS")
+# switch -> (policy fields, RolloutConfig fields) that turn its fast path off; on: the defaults
+SWITCHES = {
+    "PACK_WEIGHTS": ({"kernels": {"decode_matmul": "xla"}}, {}),
+    "TRANSPOSE_HEAD": ({}, {"transpose_head": False}),
+    "LAST_ROW_LOGITS": ({}, {"last_row_logits": False}),
+}
 
 
 def ab_line(switch: str, kind: str, batch: int, reps: int) -> dict:
     """The line of one switch at one model and batch (module docstring)."""
     if switch not in SWITCHES:
-        raise ValueError(f"unknown switch {switch!r}; one of {SWITCHES}")
-    saved = getattr(sampler, switch)
-    runs = []
-    try:
-        for value in (False, True):
-            setattr(sampler, switch, value)  # read while build() traces and compiles
-            runs.append(build(kind, "D", batch, get_policy("fp32"), 1, True))
-    finally:
-        setattr(sampler, switch, saved)
+        raise ValueError(f"unknown switch {switch!r}; one of {tuple(SWITCHES)}")
+    policy_off, rollout_off = SWITCHES[switch]
+    runs = [
+        build(kind, "D", batch, get_policy("fp32", **policy_off), 1, True, rollout_off),
+        build(kind, "D", batch, get_policy("fp32"), 1, True),
+    ]
     tokens = [np.asarray(jax.device_get(r.full()[0])) for r in runs]
     off, on = time_interleaved([r.full for r in runs], reps=reps)
     line = dict(
@@ -69,7 +71,7 @@ def ab_line(switch: str, kind: str, batch: int, reps: int) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--switch", required=True, choices=SWITCHES)
+    ap.add_argument("--switch", required=True, choices=tuple(SWITCHES))
     ap.add_argument("--models", default="dense,moe")
     ap.add_argument("--batches", default="8,32")
     ap.add_argument("--reps", type=int, default=11)

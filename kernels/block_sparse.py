@@ -24,6 +24,7 @@ from agentrl_jax.kernels.block_sparse_tpu import block_sparse_attention_pallas_t
 from agentrl_jax.kernels.block_sparse_xla import (
     block_sparse_attention_reference,
     block_sparse_attention_xla,
+    block_sparse_attention_xla_gather,
     normalize_block_indices,
     validate,
 )
@@ -86,10 +87,10 @@ def block_sparse_attention(
         of ``query_block`` tokens (tokens i*query_block ..); the fast impls then read each
         group's first row and process the group as one tile (bigger matmuls, K/V read once per
         group). 1 (default): per-token selection. The reference ignores it.
-      impl: 'xla', 'pallas' (generic kernels: Triton on GPU, interpret mode on CPU),
-        'pallas_tpu' (scalar-prefetch Mosaic forward, XLA backward) or 'auto'
-        (``select.select_impl``: the Triton kernels on GPU and the Mosaic one on TPU where
-        their tiles fit, else XLA; XLA on CPU).
+      impl: 'xla', 'xla_gather' (the gathered form at every length), 'pallas' (generic
+        kernels: Triton on GPU, interpret mode on CPU), 'pallas_tpu' (scalar-prefetch Mosaic
+        forward, XLA backward), 'reference' or 'auto' (``select.TABLE``: the Triton kernels on
+        GPU and the Mosaic one on TPU where their tiles fit, else XLA; XLA on CPU).
       interpret: run the Pallas kernel in interpret mode (CPU testing): True, or for
         'pallas_tpu' also ``pltpu.InterpretParams()`` (TPU semantics).
 
@@ -104,8 +105,18 @@ def block_sparse_attention(
     shape = op_shape(q, k, block_indices, block_size, query_block)
     impl = select_impl("block_sparse", impl, shape)
     kw = dict(block_size=block_size, softmax_scale=softmax_scale, query_block=query_block)
-    if impl == "xla":
-        return block_sparse_attention_xla(q, k, v, block_indices, **kw)
-    if impl == "pallas_tpu":
-        return block_sparse_attention_pallas_tpu(q, k, v, block_indices, interpret=interpret, **kw)
-    return block_sparse_attention_pallas(q, k, v, block_indices, interpret=interpret, **kw)
+    if impl in ("pallas", "pallas_tpu"):
+        return IMPLEMENTATIONS[impl](q, k, v, block_indices, interpret=interpret, **kw)
+    if impl == "reference":
+        kw.pop("query_block")  # the reference reads every row's own selection
+    return IMPLEMENTATIONS[impl](q, k, v, block_indices, **kw)
+
+
+# Every impl of ``select.TABLE['block_sparse']``, by name.
+IMPLEMENTATIONS = {
+    "pallas": block_sparse_attention_pallas,
+    "pallas_tpu": block_sparse_attention_pallas_tpu,
+    "xla": block_sparse_attention_xla,
+    "xla_gather": block_sparse_attention_xla_gather,
+    "reference": block_sparse_attention_reference,
+}

@@ -367,9 +367,9 @@ def paged_decode_attention(
       impl: 'xla', 'pallas' (split-K generic kernel gathering pages through the block table:
         Triton on GPU, interpret mode on CPU), 'pallas_tpu' (scalar-prefetch Mosaic kernel:
         the block table drives the page DMAs), 'cpu' (the C++ kernel of
-        ``paged_decode_cpu``: pages read in place, no gathered copy; CPU backend) or 'auto'
-        (``select.select_impl``: the Triton kernel on GPU and the Mosaic one on TPU where they
-        fit, else XLA; the C++ kernel on CPU where it builds, else XLA).
+        ``paged_decode_cpu``: pages read in place, no gathered copy; CPU backend), 'reference'
+        or 'auto' (``select.TABLE``: the Triton kernel on GPU and the Mosaic one on TPU where
+        they fit, else XLA; the C++ kernel on CPU where it builds, else XLA).
       interpret: run the Pallas kernel in interpret mode (CPU testing): True, or for
         'pallas_tpu' also ``pltpu.InterpretParams()`` (TPU semantics).
 
@@ -393,10 +393,16 @@ def paged_decode_attention(
         return_lse=return_lse,
     )
     args = (q, k_pages, v_pages, block_tables, lengths)
-    if impl == "xla":
-        return paged_decode_attention_xla(*args, **kwargs)
-    if impl == "cpu":
-        return paged_decode_attention_cpu(*args, **kwargs)
-    if impl == "pallas_tpu":
-        return paged_decode_attention_pallas_tpu(*args, interpret=interpret, **kwargs)
-    return paged_decode_attention_pallas(*args, interpret=interpret, **kwargs)
+    if impl in ("pallas", "pallas_tpu"):
+        return IMPLEMENTATIONS[impl](*args, interpret=interpret, **kwargs)
+    return IMPLEMENTATIONS[impl](*args, **kwargs)
+
+
+# Every impl of ``select.TABLE['paged_decode']``, by name.
+IMPLEMENTATIONS = {
+    "cpu": paged_decode_attention_cpu,
+    "pallas": paged_decode_attention_pallas,
+    "pallas_tpu": paged_decode_attention_pallas_tpu,
+    "xla": paged_decode_attention_xla,
+    "reference": paged_decode_attention_reference,
+}

@@ -209,8 +209,8 @@ def sliding_window_attention(
         dense causal attention.
       softmax_scale: logit scale; default 1/sqrt(D).
       impl: 'xla', 'pallas' (generic kernel: Triton on GPU, interpret mode on CPU), 'cudnn'
-        (GPU) or 'auto' (``select.select_impl``: cuDNN on GPU where it applies, else the
-        Triton kernel where it tiles; XLA on CPU and TPU).
+        (GPU), 'reference' or 'auto' (``select.TABLE``: cuDNN on GPU where it applies, else
+        the Triton kernel where it tiles; XLA on CPU and TPU).
       interpret: run the Pallas kernel in interpret mode (CPU testing).
 
     Returns:
@@ -221,10 +221,16 @@ def sliding_window_attention(
     """
     _validate(q, k, v, window)
     impl = select_impl("sliding_window", impl, op_shape(q, k))
-    if impl == "xla":
-        return sliding_window_attention_xla(q, k, v, window=window, softmax_scale=softmax_scale)
-    if impl == "cudnn":
-        return sliding_window_attention_cudnn(q, k, v, window=window, softmax_scale=softmax_scale)
-    return sliding_window_attention_pallas(
-        q, k, v, window=window, softmax_scale=softmax_scale, interpret=interpret
-    )
+    kw = dict(window=window, softmax_scale=softmax_scale)
+    if impl == "pallas":
+        return sliding_window_attention_pallas(q, k, v, interpret=interpret, **kw)
+    return IMPLEMENTATIONS[impl](q, k, v, **kw)
+
+
+# Every impl of ``select.TABLE['sliding_window']``, by name.
+IMPLEMENTATIONS = {
+    "cudnn": sliding_window_attention_cudnn,
+    "pallas": sliding_window_attention_pallas,
+    "xla": sliding_window_attention_xla,
+    "reference": sliding_window_attention_reference,
+}

@@ -5,7 +5,7 @@ K kv heads, G query heads per kv head, H head dim, J key blocks, P pages, L page
 
 Two ways to run one layer, sharing parameters and the projections:
   * teacher-forced: ``x [B,T,D]`` at positions ``0..T-1``; attention through
-    ``agentrl_jax.kernels`` (impl chosen by the dtype policy).
+    ``agentrl_jax.kernels`` (the path and each kernel op's impl chosen by ``model.dispatch``).
   * chunked with a cache: ``x [B,C,D]`` appended after the ``lengths[b]`` tokens already
     cached. ``S`` layers keep a ring buffer of ``W`` tokens per sequence; ``F``/``D`` layers
     keep a paged pool ``[P, L, K, H]`` addressed through per-sequence ``block_tables``
@@ -22,6 +22,10 @@ scales, so their float pages can be freed; the values read are the same (``model
 ``kv_cache_dtype='int8'`` policy quantises every page of F/D layers once the next page starts
 (S rings stay in the compute dtype); its teacher-forced pass does not quantise (the difference
 is measured as rollout/trainer mismatch, the policy is not a parity policy).
+
+Which way a layer attends (teacher-forced, ring, decode kernel, gathered, live pages, masked)
+is ``model.dispatch.attention_path``'s table; this module and ``model.paged_attention`` run the
+path it names.
 
 Decode kernel (``decode_kernel=True``, used by the sampler under non-parity policies): a chunk of
 one row (``C == 1``) in an F/D layer attends through ``kernels.paged_decode_attention`` reading
@@ -60,10 +64,9 @@ from flax import linen as nn
 
 from agentrl_jax import kernels
 from agentrl_jax.model.config import ModelConfig
-from agentrl_jax.model.layers import RMSNorm, einsum_or_packed, param_init
+from agentrl_jax.model.dispatch import AttentionCall, attention_path
+from agentrl_jax.model.layers import DecodeForm, RMSNorm, param_init, weight_product
 from agentrl_jax.model.paged import (  # noqa: F401 - re-exported: part of this module's API
-    _int8_at,
-    _sparse_decode,
     int8_page_update,
     over_live_pages,
     page_buckets,
@@ -139,13 +142,15 @@ def init_layer_cache(
 
 
 class Attention(nn.Module):
-    """One attention layer of kind ``S``, ``F`` or ``D`` (see module docstring)."""
+    """One attention layer of kind ``S``, ``F`` or ``D`` (see module docstring); ``form`` says
+    how its projections' weights are laid out (``layers.DecodeForm``)."""
 
     cfg: ModelConfig
     policy: DTypePolicy
     kind: str
     decode_kernel: bool = False
     record_blocks: bool = False
+    form: DecodeForm = DecodeForm()
 
     @nn.compact
     def __call__(
@@ -207,7 +212,7 @@ class Attention(nn.Module):
             )
             gate = jax.nn.sigmoid(pol.einsum("BTD,DN->BTN", x, wg).astype(jnp.float32))
             out = (out.astype(jnp.float32) * gate[..., None]).astype(pol.compute)
-        y = einsum_or_packed(self, "wo", "BTNH,NHD->BTD", out, wo, pol)
+        y = weight_product(self, "wo", "BTNH,NHD->BTD", out, wo, pol, self.form)
         if cfg.attn_bias:
             bo = self.param(
                 "bo", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
@@ -229,7 +234,7 @@ class Attention(nn.Module):
                 (d, heads, h),
                 pol.param,
             )
-            y = einsum_or_packed(self, f"w{name}", "BTD,DNH->BTNH", x, w, pol)
+            y = weight_product(self, f"w{name}", "BTD,DNH->BTNH", x, w, pol, self.form)
             if cfg.attn_bias:
                 bias = self.param(
                     f"b{name}",
@@ -245,15 +250,17 @@ class Attention(nn.Module):
 
     # Teacher-forced ----------------------------------------------------------------------
     def _teacher(self, q, k, v, positions, sinks=None, replay=None):
-        cfg, impl = self.cfg, self.policy.kernel_impl
+        """Teacher-forced attention by the path ``model.dispatch.attention_path`` picks."""
+        cfg, pol = self.cfg, self.policy
         t = q.shape[1]
-        if sinks is not None:  # the kernels have no sink: the XLA path of ``model.sinks``
+        path = attention_path(AttentionCall(self.kind, cached=False, sinks=sinks is not None))
+        if path == "sinks":  # the kernels have no sink: the XLA path of ``model.sinks``
             window = cfg.window if self.kind == "S" else t
-            return sink_attention(q, k, v, sinks, window=window, policy=self.policy)
-        if self.kind == "S":
-            return kernels.sliding_window_attention(q, k, v, window=cfg.window, impl=impl)
-        if self.kind == "D":
-            return kernels.sliding_window_attention(q, k, v, window=t, impl=impl)
+            return sink_attention(q, k, v, sinks, window=window, policy=pol)
+        if path == "sliding_window":
+            window = cfg.window if self.kind == "S" else t
+            impl = pol.kernel_choice("sliding_window")
+            return kernels.sliding_window_attention(q, k, v, window=window, impl=impl)
         if replay is not None:
             idx = fit_blocks(replay, min(cfg.sparse_topk_blocks, -(-t // cfg.sparse_block_size)))
         else:
@@ -265,7 +272,7 @@ class Attention(nn.Module):
                 q_positions=positions,
             )
         return kernels.block_sparse_attention(
-            q, k, v, idx, block_size=cfg.sparse_block_size, impl=impl
+            q, k, v, idx, block_size=cfg.sparse_block_size, impl=pol.kernel_choice("block_sparse")
         )
 
     # Chunked with cache ------------------------------------------------------------------
@@ -290,7 +297,7 @@ class Attention(nn.Module):
         valid = jnp.ones((b, c), bool) if valid is None else valid
         new_len = lengths + jnp.sum(valid, axis=1).astype(lengths.dtype)
         kd, vd = k.astype(pool_dtype(self.policy)), v.astype(pool_dtype(self.policy))
-        if self.kind == "S":
+        if attention_path(AttentionCall(self.kind, cached=True)) == "ring":  # S layers
             return self._ring(q, kd, vd, positions, cache, lengths, valid, new_len, group, sinks)
         return paged_chunk(
             q, kd, vd, positions, cache, meta, valid, new_len, group,

@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from agentrl_jax.kernels.skinny_matmul_cpu import skinny_matmul
+from agentrl_jax import kernels
 from agentrl_jax.model.layers import PackedExperts
 from agentrl_jax.precision import DTypePolicy
 
@@ -78,7 +78,8 @@ def expert_einsum(policy: DTypePolicy, subscripts: str, x: jax.Array, w: jax.Arr
     """
     if isinstance(w, PackedExperts):  # the one-row decode's packed experts (pack_weights)
         _check_expert_form(subscripts)
-        return skinny_matmul(x.astype(jnp.float32), w.panels, w.n).astype(policy.compute)
+        y = kernels.packed_matmul(x.astype(jnp.float32), w.panels, w.n, impl=w.impl)
+        return y.astype(policy.compute)
     if per_expert_matmuls(policy, w.shape[0]):
         _check_expert_form(subscripts)
         x, w = x.astype(policy.compute), w.astype(policy.compute)

@@ -1,4 +1,5 @@
-"""Basic layers: RMSNorm, tied embedding, rotary position embedding.
+"""Basic layers: RMSNorm, tied embedding, rotary position embedding; the weight layout a decode
+reads (``DecodeForm``) and the weight matmul that follows it.
 
 Legend: B batch, T time, D model dim, N query heads, H head dim, V vocab.
 Every layer takes the run's ``DTypePolicy``; nothing here hard-codes a dtype except the
@@ -14,21 +15,72 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from agentrl_jax.kernels.skinny_matmul_cpu import skinny_matmul
+from agentrl_jax import kernels
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.precision import DTypePolicy, matmul_form, weight_einsum
 
-PACKED = "_packed"  # suffix of a weight packed for the skinny-matmul kernel (``pack_weights``)
+PACKED = "_packed"  # suffix of a weight packed for a decode_matmul impl (``DecodeForm.matmul``)
+HEADS = ("table", "transposed", "packed")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeForm:
+    """How the parameters a model reads are laid out (``model.decode_params.prepare_decode``
+    rewrites them for the sampler's one-row decode); the modules read the weights this names.
+    The default is the parameters as trained.
+
+    Attributes:
+      unstacked: the pattern groups stored per group (``group_<g>``), not stacked for the scan.
+      fused_mlp: each dense MLP's gate and up projections joined (``w_gate_up`` [D, 2F]).
+      head: the LM head's weight: 'table' (the tied table, or ``unembed``), 'transposed' (the
+        tied table transposed once: ``table_t`` [D, V]) or 'packed' (``head_packed``).
+      matmul: the ``decode_matmul`` impl of the weight matmuls (``kernels.select.TABLE``):
+        'xla' (the weights as stored), 'cpu' or 'reference' (``<name>_packed`` beside every
+        attention projection, dense MLP and MoE expert weight: ``kernels.pack_weight``).
+
+    Raises:
+      ValueError: an unknown head or matmul impl, or a packed matmul without the packed head.
+    """
+
+    unstacked: bool = False
+    fused_mlp: bool = False
+    head: str = "table"
+    matmul: str = "xla"
+
+    def __post_init__(self):
+        if self.head not in HEADS:
+            raise ValueError(f"DecodeForm.head={self.head!r}; allowed: {HEADS}")
+        if self.matmul not in kernels.OP_IMPLS["decode_matmul"]:
+            allowed = kernels.OP_IMPLS["decode_matmul"]
+            raise ValueError(f"DecodeForm.matmul={self.matmul!r}; allowed: {allowed}")
+        if self.packed != (self.head == "packed"):
+            raise ValueError(f"DecodeForm: matmul={self.matmul!r} goes with head='packed' only")
+
+    @property
+    def packed(self) -> bool:
+        """Whether the weight matmuls read packed copies."""
+        return self.matmul != "xla"
+
+    def describe(self) -> str:
+        """What the form changes, for logs (``'as trained'`` for the default)."""
+        parts = ["groups unstacked"] if self.unstacked else []
+        parts += ["MLP gate/up joined"] if self.fused_mlp else []
+        parts += [f"weights packed for decode_matmul={self.matmul!r}"] if self.packed else []
+        parts += ["tied head transposed"] if self.head == "transposed" else []
+        return ", ".join(parts) or "as trained"
 
 
 def param_init(std: float):
     return nn.initializers.normal(stddev=std)
 
 
-def packed_matmul(subscripts: str, x: jax.Array, packed: jax.Array, w_shape: tuple) -> jax.Array:
+def packed_matmul(
+    subscripts: str, x: jax.Array, packed: jax.Array, w_shape: tuple, impl: str
+) -> jax.Array:
     """``einsum(subscripts, x, w)`` for ``w`` of shape ``w_shape`` given as
-    ``skinny_matmul_cpu.pack`` of its [contract, out] view: float32, through the C++ kernel.
-    ``subscripts`` must read ``<batch><contract>,<contract><out>-><batch><out>``."""
+    ``kernels.pack_weight`` of its [contract, out] view: float32, by the decode_matmul impl
+    ``impl`` ('cpu': the C++ kernel; 'reference'). ``subscripts`` must read
+    ``<batch><contract>,<contract><out>-><batch><out>``."""
     ins, out = subscripts.replace(" ", "").split("->")
     xs, ws = ins.split(",")
     form = matmul_form(xs, ws, out)
@@ -37,36 +89,53 @@ def packed_matmul(subscripts: str, x: jax.Array, packed: jax.Array, w_shape: tup
     n_b = form[0]
     n_c = x.ndim - n_b
     rows = x.reshape(*x.shape[:n_b], -1).astype(jnp.float32)
-    y = skinny_matmul(rows, packed, math.prod(w_shape[n_c:]))
+    y = kernels.packed_matmul(rows, packed, math.prod(w_shape[n_c:]), impl=impl)
     return y.reshape(*x.shape[:n_b], *w_shape[n_c:])
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedExperts:
-    """A MoE layer's expert weights [E, K, n] as ``skinny_matmul_cpu.pack`` laid them out
+    """A MoE layer's expert weights [E, K, n] as ``kernels.pack_weight`` laid them out
     (``panels`` [E, Np, K, P], ``decode_params.pack_weights``), handed to the expert matmuls in
-    place of the weight (``expert_matmul.expert_einsum``). ``shape`` is the weight's."""
+    place of the weight (``expert_matmul.expert_einsum``) with the decode_matmul ``impl`` that
+    multiplies them. ``shape`` is the weight's."""
 
     panels: jax.Array
     n: int = dataclasses.field(metadata=dict(static=True))
+    impl: str = dataclasses.field(default="cpu", metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return (self.panels.shape[0], self.panels.shape[2], self.n)
 
 
-def einsum_or_packed(
-    module: nn.Module, name: str, subscripts: str, x: jax.Array, w: jax.Array, policy: DTypePolicy
+def weight_product(
+    module: nn.Module,
+    name: str,
+    subscripts: str,
+    x: jax.Array,
+    w: jax.Array,
+    policy: DTypePolicy,
+    form: DecodeForm,
 ) -> jax.Array:
-    """``policy.einsum(subscripts, x, w)`` for ``module``'s weight ``name``, or, where the
-    one-row decode packed it (``decode_params.pack_weights``: ``<name>_packed`` beside it), the
-    same product through the skinny-matmul kernel (float32 policies only; its sums run in
-    another order, so the last bits differ)."""
-    if not module.has_variable("params", name + PACKED):
+    """``policy.einsum(subscripts, x, w)`` for ``module``'s weight ``name``; under a packed
+    ``form`` (``DecodeForm.matmul`` 'cpu' or 'reference', float32 policies) the same product
+    of its packed copy ``<name>_packed`` by that impl (its sums run in another order, so the
+    last bits differ).
+
+    Raises:
+      ValueError: a packed form whose parameters lack ``<name>_packed``.
+    """
+    if not form.packed:
         return policy.einsum(subscripts, x, w)
     packed = module.get_variable("params", name + PACKED)
-    return packed_matmul(subscripts, x, packed, w.shape).astype(policy.compute)
+    if packed is None:
+        raise ValueError(
+            f"{module.name}: DecodeForm.matmul={form.matmul!r} reads {name + PACKED!r}, which "
+            "the parameters lack (decode_params.prepare_decode makes it)"
+        )
+    return packed_matmul(subscripts, x, packed, w.shape, form.matmul).astype(policy.compute)
 
 
 class RMSNorm(nn.Module):
@@ -99,10 +168,12 @@ class RMSNorm(nn.Module):
 
 
 class Embedder(nn.Module):
-    """Token embedding; with tied embeddings the same table produces the logits."""
+    """Token embedding; with tied embeddings the same table produces the logits. ``form.head``
+    names the head weight :meth:`decode` reads."""
 
     cfg: ModelConfig
     policy: DTypePolicy
+    form: DecodeForm = DecodeForm()
 
     def setup(self):
         self.table = self.param(
@@ -133,14 +204,15 @@ class Embedder(nn.Module):
 
     def decode(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> logits float32 [B, T, V]."""
-        if self.has_variable("params", "head" + PACKED):  # ``decode_params.pack_weights``
+        if self.form.head == "packed":  # ``decode_params.pack_weights``
             d, v = self.cfg.d_model, self.cfg.vocab_size
             head = self.get_variable("params", "head" + PACKED)
-            return packed_matmul("BTD,DV->BTV", x, head, (d, v)).astype(self.policy.logits)
+            y = packed_matmul("BTD,DV->BTV", x, head, (d, v), self.form.matmul)
+            return y.astype(self.policy.logits)
         if self.cfg.tie_embeddings:
-            # The table transposed once per decode call (``decode_params.transpose_head``) where
-            # present: the same products, a faster matmul at a few rows.
-            transposed = self.has_variable("params", "table_t")
+            # The table transposed once per weight version (``decode_params.transpose_head``):
+            # the same products, a faster matmul at a few rows.
+            transposed = self.form.head == "transposed"
             w = self.get_variable("params", "table_t") if transposed else self.table
             if self.cfg.frozen_groups:  # a frozen embedding is a frozen tied head
                 w = jax.lax.stop_gradient(w)

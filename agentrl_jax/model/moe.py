@@ -55,7 +55,7 @@ from agentrl_jax.model.experts import (  # noqa: F401 - route and the references
     moe_reference,
     route,
 )
-from agentrl_jax.model.layers import PACKED, PackedExperts, einsum_or_packed
+from agentrl_jax.model.layers import PACKED, DecodeForm, PackedExperts, weight_product
 from agentrl_jax.precision import DTypePolicy
 
 TOKEN_AXES = ("data", "fsdp", "expert")  # mesh axes tokens are split over inside the dispatch
@@ -72,13 +72,15 @@ def _init(std: float, names: tuple):
 class MLP(nn.Module):
     """Dense SwiGLU feed-forward ``D -> cfg.d_ff -> D`` (used when ``cfg.n_experts == 0``).
 
-    ``__call__(x [B, T, D] compute dtype) -> [B, T, D]`` compute dtype. Parameters from
-    ``decode_params.fuse_projections`` hold ``w_gate_up`` [D, 2F] in place of ``w_gate`` and
-    ``w_up``: then the two projections are one matmul.
+    ``__call__(x [B, T, D] compute dtype) -> [B, T, D]`` compute dtype. Under a
+    ``form.fused_mlp`` form (``decode_params.fuse_projections``) the parameters hold
+    ``w_gate_up`` [D, 2F] in place of ``w_gate`` and ``w_up``: the two projections are one
+    matmul; ``form.matmul`` says how the weight matmuls run (``layers.weight_product``).
     """
 
     cfg: ModelConfig
     policy: DTypePolicy
+    form: DecodeForm = DecodeForm()
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -87,10 +89,11 @@ class MLP(nn.Module):
             raise ValueError(f"MLP input x.shape={x.shape} must be [B, T, d_model={cfg.d_model}]")
         std_out = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         f = cfg.d_ff
-        if self.has_variable("params", "w_gate_up"):
+        form = self.form
+        if form.fused_mlp:
             names, shape = ("embed", "mlp"), (cfg.d_model, 2 * f)
             w = self.param("w_gate_up", _init(cfg.init_std, names), shape, pol.param)
-            gu = einsum_or_packed(self, "w_gate_up", "BTD,DF->BTF", x, w, pol)
+            gu = weight_product(self, "w_gate_up", "BTD,DF->BTF", x, w, pol, form)
             gate, up = gu[..., :f], gu[..., f:]
         else:
             w_gate = self.param(
@@ -99,10 +102,11 @@ class MLP(nn.Module):
             w_up = self.param(
                 "w_up", _init(cfg.init_std, ("embed", "mlp")), (cfg.d_model, f), pol.param
             )
-            gate = einsum_or_packed(self, "w_gate", "BTD,DF->BTF", x, w_gate, pol)
-            up = einsum_or_packed(self, "w_up", "BTD,DF->BTF", x, w_up, pol)
+            gate = weight_product(self, "w_gate", "BTD,DF->BTF", x, w_gate, pol, form)
+            up = weight_product(self, "w_up", "BTD,DF->BTF", x, w_up, pol, form)
         w_down = self.param("w_down", _init(std_out, ("mlp", "embed")), (f, cfg.d_model), pol.param)
-        return einsum_or_packed(self, "w_down", "BTF,FD->BTD", nn.silu(gate) * up, w_down, pol)
+        h = nn.silu(gate) * up
+        return weight_product(self, "w_down", "BTF,FD->BTD", h, w_down, pol, form)
 
 
 def load_balance_loss(
@@ -280,12 +284,15 @@ class MoE(nn.Module):
       small_first: try :func:`small_capacity` first (``dispatch_combine``); the transformer
         sets it on its cached (rollout) path only: under autodiff the ``lax.cond`` keeps both
         branches' residuals, and under ``vmap`` it runs both branches.
+      form: the parameters' layout (``layers.DecodeForm``): under a packed one the experts
+        multiply their packed copies (``<name>_packed``), off a mesh.
     """
 
     cfg: ModelConfig
     policy: DTypePolicy
     mesh: jax.sharding.Mesh | None = None
     small_first: bool = False
+    form: DecodeForm = DecodeForm()
 
     @nn.compact
     def __call__(
@@ -373,12 +380,13 @@ class MoE(nn.Module):
             )
             y, keep = fn(xf.astype(pol.compute), routes, gates, vf, *weights)
         else:
-            if self.has_variable("params", "w_gate" + PACKED):  # ``decode_params.pack_weights``
+            if self.form.packed:  # ``decode_params.pack_weights``
+                impl = self.form.matmul
                 packed = {n: self.get_variable("params", n + PACKED) for n in ("w_gate", "w_up",
                                                                              "w_down")}  # fmt: skip
-                weights = (PackedExperts(packed["w_gate"], cfg.d_expert),
-                           PackedExperts(packed["w_up"], cfg.d_expert),
-                           PackedExperts(packed["w_down"], dm), *biases)  # fmt: skip
+                weights = (PackedExperts(packed["w_gate"], cfg.d_expert, impl),
+                           PackedExperts(packed["w_up"], cfg.d_expert, impl),
+                           PackedExperts(packed["w_down"], dm, impl), *biases)  # fmt: skip
             y, keep = dispatch_combine(
                 xf.astype(pol.compute), routes, gates, vf, *weights,
                 capacity=cfg.capacity(n), policy=pol, cfg=cfg, small_first=self.small_first,

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from agentrl_jax import kernels
+from agentrl_jax.model.dispatch import kernel_impl
 from agentrl_jax.model.kv_quant import fake_quant_pages, quantize_pages
 from agentrl_jax.precision import DTypePolicy
 
@@ -179,7 +180,7 @@ def read_tokens(
     return x
 
 
-def _int8_at(meta: dict, policy: DTypePolicy, s: int, page: int) -> jax.Array | None:
+def int8_decisions(meta: dict, policy: DTypePolicy, s: int, page: int) -> jax.Array | None:
     """int32 [B, S] int8 decision positions of a paged layer, or None when nothing is int8.
 
     Recorded decisions come in ``meta['int8_at']``; a ``kv_cache_dtype='int8'`` policy adds one
@@ -234,7 +235,7 @@ def two_pool_decode(attend_float, attend_int8, visible: jax.Array | None, use8: 
     return kernels.combine_attention([f_out, i_out], [f_lse, i_lse])[0]
 
 
-def _sparse_decode(
+def sparse_decode(
     q, pool_k, pool_v, tables, idx, positions, new_len, cfg, policy, keep=None, int8=None
 ):
     """One-token sparse attention over the selected blocks through the paged decode kernel.
@@ -277,8 +278,9 @@ def _sparse_decode(
     if int8 is not None:
         use8 = jnp.repeat(jnp.take_along_axis(int8[1][:, None, :], slot, axis=2), bs, axis=2)
 
-    native = kernels.select_impl(
-        "paged_decode", policy.kernel_impl, kernels.paged_decode_op_shape(q[:, 0], pool_k, tables)
+    impl = policy.kernel_choice("paged_decode")
+    native = kernel_impl(
+        policy, "paged_decode", kernels.paged_decode_op_shape(q[:, 0], pool_k, tables)
     ) == "cpu"  # fmt: skip
 
     def attend(pk, pv, bt, scales):  # the kernel per kv head over one pool viewed as blocks
@@ -307,13 +309,13 @@ def _sparse_decode(
                 kw = {} if s is None else dict(k_scales=s[0][:, None], v_scales=s[1][:, None])
                 return kernels.paged_decode_attention(
                     qk, kp[:, :, None], vp[:, :, None], bt, ln, kv_mask=m,
-                    return_lse=return_lse, impl=policy.kernel_impl, **kw,
+                    return_lse=return_lse, impl=impl, **kw,
                 )  # fmt: skip
 
             args = (qg, kb, vb, t, ln, m, sc)
             axes = (1, 2, 2, 1, 1, None if m is None else 1, None if sc is None else 1)
             shape = kernels.paged_decode_op_shape(qg[:, 0], kb[:, :, :1], t[:, 0])
-            if kernels.select_impl("paged_decode", policy.kernel_impl, shape) != "xla":
+            if kernel_impl(policy, "paged_decode", shape) != "xla":
                 return jax.vmap(one_head, in_axes=axes, out_axes=1)(*args)
 
             # XLA: one call per kv head (unrolled at trace time). Under vmap XLA CPU gathered

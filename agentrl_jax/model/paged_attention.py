@@ -10,18 +10,22 @@ groups' pools as one flat pool), K kv heads, N query heads, H head dim, M gather
      (``model.paged``); reads take those pages from the int8 pool, dequantised (same values);
   3. with ``sparse_gather`` (F layers) the means of the key blocks the chunk writes are updated
      (``model.sparse_blocks``);
-  4. attention, one of
-     * the decode kernel (``decode_kernel``, one row): D layers over the live pages, F layers
-       over their selected blocks (``model.paged._sparse_decode``). With an int8 pool, one
-       call on the float pool and one on the int8 pool (its scales), merged by log-sum-exp
-       (``model.paged.two_pool_decode``); each call gets a block table of only its own pool's
-       pages (blocks for F) that hold a visible key, in logical order, with a per-token key
-       mask over them (``model.paged.pool_call``), so neither reads the other pool's pages
-       nor fully evicted ones; the eviction ``keep`` mask joins those key masks. Excluded
+  4. attention by the path ``model.dispatch.attention_path`` picks (its table), one of
+     * the decode kernel (``decode_kernel``, one row): D layers over the live pages
+       (``decode_dense``), F layers over their selected blocks (``decode_sparse``, or
+       ``decode_gathered`` scored on the block means; ``model.paged.sparse_decode``). With an
+       int8 pool, one call on the float pool and one on the int8 pool (its scales), merged by
+       log-sum-exp (``model.paged.two_pool_decode``); each call gets a block table of only its
+       own pool's pages (blocks for F) that hold a visible key, in logical order, with a
+       per-token key mask over them (``model.paged.pool_call``), so neither reads the other
+       pool's pages nor fully evicted ones; the eviction ``keep`` mask joins those key masks.
+       Excluded
        (chunk path): the attention-mass accumulator (the kernel returns no probabilities) and
        sink logits (the kernel has no sink term);
-     * gathered (F with ``sparse_gather``): only the selected blocks are read;
-     * masked: the whole context is gathered and masked (F: to its selected blocks).
+     * ``gathered`` (F with ``sparse_gather``): only the selected blocks are read;
+     * ``live_dense`` (D, non-parity policies, no mass tracking): the live pages gathered and
+       masked;
+     * ``masked``: the whole context is gathered and masked (F: to its selected blocks).
 F layers select blocks with ``select_blocks`` over the gathered keys, or with ``sparse_gather``
 from the stored block means; ``replay`` (int32 [B, C, K, n]) replaces the selection. With
 ``record`` the selection comes back in the layer cache under ``"blocks"`` [B, C, K, n_sel].
@@ -36,16 +40,17 @@ import jax.numpy as jnp
 
 from agentrl_jax import kernels
 from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.dispatch import AttentionCall, attention_path, kernel_impl
 from agentrl_jax.model.paged import (
     Int8Pool,
-    _int8_at,
-    _sparse_decode,
+    int8_decisions,
     int8_page_update,
     int8_pages_read,
     over_live_pages,
     pool_call,
     read_pages,
     read_tokens,
+    sparse_decode,
     two_pool_decode,
 )
 from agentrl_jax.model.select import select_blocks
@@ -73,7 +78,7 @@ def fit_blocks(blocks: jax.Array, n_sel: int) -> jax.Array:
 @dataclasses.dataclass
 class _Chunk:
     """What the ways to attend share: the flat pools (``[G, P, ...]`` -> ``[G * P, ...]``),
-    block tables in flat ids, the chunk's rows and the layer's options."""
+    block tables in flat ids, the chunk's rows and the layer's options and kind."""
 
     q: jax.Array
     positions: jax.Array
@@ -85,6 +90,7 @@ class _Chunk:
     cfg: ModelConfig
     policy: DTypePolicy
     record: bool
+    kind: str
     k: jax.Array = None
     v: jax.Array = None
     int8: Int8Pool | None = None
@@ -144,7 +150,7 @@ class _Chunk:
         )
 
     def int8_parts(self) -> tuple[Int8Pool, jax.Array] | None:
-        """The int8 pool and ``use8`` (``model.paged._sparse_decode``), or None without an
+        """The int8 pool and ``use8`` (``model.paged.sparse_decode``), or None without an
         int8 pool."""
         return None if self.int8 is None else (self.int8, self.use8)
 
@@ -198,32 +204,30 @@ def paged_chunk(
       (out [B, C, N, H] in the compute dtype, the new stacked layer cache).
 
     Raises:
-      ValueError: an int8 pool without ``int8_tables`` or ``int8_at`` in ``meta``.
+      ValueError: an int8 pool without ``int8_tables`` or ``int8_at`` in ``meta``; an F layer
+        of a ``sparse_gather`` model without ``kmean`` in ``cache``.
     """
-    ch = _Chunk(q, positions, valid, new_len, meta, cache, group, cfg, policy, record)
-    _write(ch, kd, vd)
-    c = q.shape[1]
-    use_kernel = decode_kernel and c == 1 and "mass" not in cache and sinks is None
+    call = AttentionCall(
+        kind,
+        cached=True,
+        one_row=decode_kernel and q.shape[1] == 1,
+        sinks=sinks is not None,
+        tracks_mass="mass" in cache,
+        sparse_gather=cfg.sparse_gather,
+        parity=policy.parity,
+    )
+    path = attention_path(call)
+    means = kind == "F" and cfg.sparse_gather  # the block means are kept up to date
+    if means and "kmean" not in cache:
+        raise ValueError("an F layer of a sparse_gather model needs cache['kmean']")
+    ch = _Chunk(q, positions, valid, new_len, meta, cache, group, cfg, policy, record, kind)
+    _write(ch, kd, vd, means)
     n_sel = min(cfg.sparse_topk_blocks, -(-ch.s // cfg.sparse_block_size))
-    if use_kernel and kind == "D":
-        return ch.result(_kernel_dense(ch)[:, None])
-    if kind == "F" and "kmean" in cache:
-        blocks = replay if replay is not None else _score(ch, n_sel)
-        blocks = fit_blocks(blocks, n_sel)
-        if use_kernel:
-            out = _sparse_decode(
-                q, ch.k, ch.v, ch.tables, blocks, positions, new_len, cfg, policy,
-                keep=ch.keep, int8=ch.int8_parts(),
-            )  # fmt: skip
-            return ch.result(out, blocks)
-        return _gathered(ch, blocks)
-    if use_kernel:  # F: block selection on the live keys, the kernel over the selected blocks
-        return _kernel_sparse(ch, n_sel, replay)
-    return _masked(ch, kind, n_sel, sinks, replay)
+    return _PATHS[path](ch, n_sel, sinks, replay)
 
 
-def _write(ch: _Chunk, kd: jax.Array, vd: jax.Array) -> None:
-    """Steps 1-3: the rows' keys and values, the int8 decisions, the block means."""
+def _write(ch: _Chunk, kd: jax.Array, vd: jax.Array, means: bool) -> None:
+    """Steps 1-3: the rows' keys and values, the int8 decisions, the block means (``means``)."""
     lengths, positions, valid, new_len = ch.meta["lengths"], ch.positions, ch.valid, ch.new_len
     page_of = jnp.take_along_axis(
         ch.tables, jnp.clip(positions // ch.page, 0, ch.tables.shape[1] - 1), axis=1
@@ -232,7 +236,7 @@ def _write(ch: _Chunk, kd: jax.Array, vd: jax.Array) -> None:
     slot = positions % ch.page
     ch.k = ch.k.at[page_of, slot].set(kd, mode="drop")
     ch.v = ch.v.at[page_of, slot].set(vd, mode="drop")
-    int8_at = _int8_at(ch.meta, ch.policy, ch.s, ch.page)
+    int8_at = int8_decisions(ch.meta, ch.policy, ch.s, ch.page)
     if int8_at is not None and ch.int8 is None:  # int8 KV: decisions of this chunk, in place
         ch.k, ch.v = int8_page_update(ch.k, ch.v, ch.tables, int8_at, lengths, new_len)
     elif int8_at is not None:
@@ -242,7 +246,7 @@ def _write(ch: _Chunk, kd: jax.Array, vd: jax.Array) -> None:
         ch.use8 = int8_pages_read(ch.int8, int8_at, new_len)
     elif ch.int8 is not None:
         raise ValueError("a cache with an int8 pool needs meta['int8_at']")
-    if "kmean" in ch.cache:
+    if means:
         heads = jnp.arange(ch.k.shape[2])[None, None, :]
 
         def read_keys(pos):  # [B, X] -> [B, X, K, H] from the float pool
@@ -267,8 +271,24 @@ def _score(ch: _Chunk, n_sel: int) -> jax.Array:
     return score_blocks(ch.q, ch.kmean, ch.positions, visible, block_size=bs, n_sel=n_sel)
 
 
-def _gathered(ch: _Chunk, blocks: jax.Array):
+def _stored_blocks(ch: _Chunk, n_sel: int, replay: jax.Array | None) -> jax.Array:
+    """The selection of an F layer with block means: ``replay`` or scored on the means."""
+    return fit_blocks(replay if replay is not None else _score(ch, n_sel), n_sel)
+
+
+def _decode_gathered(ch: _Chunk, n_sel: int, sinks, replay):
+    """F with ``sparse_gather``, one row: blocks from the means, the decode kernel over them."""
+    blocks = _stored_blocks(ch, n_sel, replay)
+    out = sparse_decode(
+        ch.q, ch.k, ch.v, ch.tables, blocks, ch.positions, ch.new_len, ch.cfg, ch.policy,
+        keep=ch.keep, int8=ch.int8_parts(),
+    )  # fmt: skip
+    return ch.result(out, blocks)
+
+
+def _gathered(ch: _Chunk, n_sel: int, sinks, replay):
     """F with ``sparse_gather``: attention over the selected blocks' keys only."""
+    blocks = _stored_blocks(ch, n_sel, replay)
     pos, mask = gathered_mask(blocks, ch.positions, ch.new_len, ch.keep, ch.cfg.sparse_block_size)
     keys, vals = ch.read_at(pos, jnp.arange(blocks.shape[2])[None, None, :, None])
     out, p = gathered_attention(ch.q, keys, vals, mask, ch.policy)
@@ -278,13 +298,20 @@ def _gathered(ch: _Chunk, blocks: jax.Array):
     return ch.result(out, blocks, mass=ch.cache["mass"].at[ch.group].add(got))
 
 
+def _decode_dense(ch: _Chunk, n_sel: int, sinks, replay):
+    """D through the decode kernel."""
+    return ch.result(_kernel_dense(ch)[:, None])
+
+
 def _kernel_dense(ch: _Chunk) -> jax.Array:
     """D through the decode kernel: [B, N, H]. Without an int8 pool or ``keep``, one call over
     the first live pages; else one call per pool merged by log-sum-exp, each over only the
     pages of its pool that hold a visible key (``model.paged.pool_call``)."""
-    q, lens, impl, page = ch.q[:, 0], ch.new_len, ch.policy.kernel_impl, ch.page
+    q, lens, page = ch.q[:, 0], ch.new_len, ch.page
+    impl = ch.policy.kernel_choice("paged_decode")
     shape = kernels.paged_decode_op_shape(q, ch.k, ch.tables)
-    bucketed = kernels.select_impl("paged_decode", impl, shape) != "cpu"  # stops at lengths
+    # the C++ kernel stops at each row's length by itself: no page buckets
+    bucketed = kernel_impl(ch.policy, "paged_decode", shape) != "cpu"
 
     def kernel(k, v, scales, lse):  # (tables, lengths, kv_mask) -> the kernel on one pool
         return lambda t, ln, m: kernels.paged_decode_attention(
@@ -309,7 +336,7 @@ def _kernel_dense(ch: _Chunk) -> jax.Array:
     return two_pool_decode(attend_float, attend_int8, visible, jnp.repeat(ch.use8, page, axis=1))
 
 
-def _kernel_sparse(ch: _Chunk, n_sel: int, replay: jax.Array | None):
+def _decode_sparse(ch: _Chunk, n_sel: int, sinks, replay: jax.Array | None):
     """F through the decode kernel: ``select_blocks`` on the live pages' keys (or ``replay``),
     then the kernel over the selected blocks (each pool's call over its own blocks only)."""
     cfg, q = ch.cfg, ch.q
@@ -330,7 +357,7 @@ def _kernel_sparse(ch: _Chunk, n_sel: int, replay: jax.Array | None):
         idx = fit_blocks(replay, n_sel)
     else:
         idx = over_live_pages(select, ch.tables, ch.new_len, ch.page)
-    out = _sparse_decode(
+    out = sparse_decode(
         q, ch.k, ch.v, ch.tables, idx, ch.positions, ch.new_len, cfg, ch.policy,
         keep=ch.keep, int8=ch.int8_parts(),
     )  # fmt: skip
@@ -342,11 +369,11 @@ def _kernel_sparse(ch: _Chunk, n_sel: int, replay: jax.Array | None):
 PREFILL_BUCKET_RATIO = 2.0
 
 
-def _live_dense(ch: _Chunk, sinks) -> jax.Array:
-    """D, masked, over the live pages only: [B, C, N, H]. A chunk's keys end at the longest
-    slot's length, so attention costs follow the context held rather than ``max_len`` (a
-    prefill into a large cache). Another key count sums in another order, so parity policies,
-    whose trainer pass must match bitwise, keep the whole width (``_masked``)."""
+def _live_dense(ch: _Chunk, n_sel: int, sinks, replay):
+    """D, masked, over the live pages only. A chunk's keys end at the longest slot's length, so
+    attention costs follow the context held rather than ``max_len`` (a prefill into a large
+    cache). Another key count sums in another order, so parity policies, whose trainer pass
+    must match bitwise, keep the whole width (``_masked``)."""
 
     def attend(n):
         keys, vals = ch.read_context(n)
@@ -356,16 +383,14 @@ def _live_dense(ch: _Chunk, sinks) -> jax.Array:
         mask = jnp.broadcast_to(mask[:, :, None, :], (b, c, ch.cfg.n_kv_heads, n * ch.page))
         return masked_attention(ch.q, keys, vals, mask, ch.policy, sinks=sinks)
 
-    return over_live_pages(attend, ch.raw, ch.new_len, ch.page, ratio=PREFILL_BUCKET_RATIO)
+    out = over_live_pages(attend, ch.raw, ch.new_len, ch.page, ratio=PREFILL_BUCKET_RATIO)
+    return ch.result(out)
 
 
-def _masked(ch: _Chunk, kind: str, n_sel: int, sinks, replay):
+def _masked(ch: _Chunk, n_sel: int, sinks, replay):
     """The whole context gathered and masked (F: to the selected blocks); optionally the
-    attention mass each position receives. A dense layer of a non-parity policy without mass
-    tracking attends over the live pages only (``_live_dense``)."""
-    if kind == "D" and "mass" not in ch.cache and not ch.policy.parity:
-        return ch.result(_live_dense(ch, sinks))
-    cfg, q, positions = ch.cfg, ch.q, ch.positions
+    attention mass each position receives."""
+    cfg, q, positions, kind = ch.cfg, ch.q, ch.positions, ch.kind
     b, c = q.shape[:2]
     keys, vals = ch.read_context()
     kpos = jnp.arange(ch.s)
@@ -396,3 +421,14 @@ def _masked(ch: _Chunk, kind: str, n_sel: int, sinks, replay):
     w = ch.valid.astype(jnp.float32)[:, :, None, None, None]
     got = jnp.sum(p.astype(jnp.float32) * w, axis=(1, 2, 3)) / (p.shape[2] * p.shape[3])
     return ch.result(out, idx, mass=ch.cache["mass"].at[ch.group].add(got))
+
+
+# ``model.dispatch.PATHS``' cached paths of F/D layers: (chunk, n_sel, sinks, replay) -> result.
+_PATHS = {
+    "decode_dense": _decode_dense,
+    "decode_gathered": _decode_gathered,
+    "gathered": _gathered,
+    "decode_sparse": _decode_sparse,
+    "live_dense": _live_dense,
+    "masked": _masked,
+}

@@ -31,8 +31,9 @@ from flax import linen as nn
 from agentrl_jax.config import load_config, to_dataclass
 from agentrl_jax.kernels.block_sparse_xla import uses_dense_form
 from agentrl_jax.kernels.chunked_causal import causal_chunks
-from agentrl_jax.kernels.select import OpShape, select_impl
+from agentrl_jax.kernels.select import OpShape
 from agentrl_jax.model.config import ModelConfig
+from agentrl_jax.model.dispatch import kernel_impl
 from agentrl_jax.model.transformer import Transformer
 from agentrl_jax.precision import get_policy
 from agentrl_jax.sharding import MESH_AXES, MeshConfig, fit_spec
@@ -160,9 +161,7 @@ def per_device_param_bytes(cfg: ModelConfig, policy, mesh: dict, rules) -> int:
 
 
 def _attention_impl(cfg: ModelConfig, policy, kind: str, rows: int, seq: int, backend: str) -> str:
-    """The kernel ``kernels.select.select_impl`` picks for a training pass of layer ``kind``."""
-    if policy.kernel_impl != "auto":
-        return policy.kernel_impl
+    """The kernel a training pass of layer ``kind`` runs (``model.dispatch.kernel_impl``)."""
     dtype = jnp.dtype(policy.compute).name
     g = cfg.n_heads // cfg.n_kv_heads
     shape = OpShape(cfg.head_dim, g, dtype, seq, rows, cfg.n_kv_heads, cfg.sparse_block_size)
@@ -170,7 +169,7 @@ def _attention_impl(cfg: ModelConfig, policy, kind: str, rows: int, seq: int, ba
         n_sel = -(-cfg.sparse_topk_tokens // cfg.sparse_block_size)
         shape = dataclasses.replace(shape, n_sel=n_sel)
     op = "block_sparse" if kind == "F" else "sliding_window"
-    return select_impl(op, "auto", shape, backend)
+    return kernel_impl(policy, op, shape, backend)
 
 
 def _attention_bytes(cfg: ModelConfig, c: int, kind: str, seq: int, impl: str) -> float:
@@ -405,7 +404,7 @@ def run_from_cli(args) -> int:
     cfg = load_config(args.spec, getattr(args, "set", None) or [])
     model_cfg = to_dataclass(cfg.model, ModelConfig)
     mesh_cfg = to_dataclass(cfg.mesh, MeshConfig)
-    policy = get_policy(cfg.policy, kernel_impl=cfg.kernel_impl)
+    policy = get_policy(cfg.policy, kernel_impl=cfg.kernel_impl, kernels=dict(cfg.kernels))
     n = getattr(args, "devices", None) or len(jax.devices())
     context = getattr(args, "context", None) or 131072
     if n <= 0:

@@ -26,7 +26,7 @@ from flax import linen as nn
 from agentrl_jax.model.attention import Attention, init_layer_cache
 from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.decode_params import unstack_groups
-from agentrl_jax.model.layers import Embedder, RMSNorm
+from agentrl_jax.model.layers import DecodeForm, Embedder, RMSNorm
 from agentrl_jax.model.moe import MLP, MoE
 from agentrl_jax.precision import DTypePolicy
 
@@ -49,13 +49,14 @@ class Block(nn.Module):
     kind: str
     decode_kernel: bool = False
     record_blocks: bool = False
+    form: DecodeForm = DecodeForm()
 
     @nn.compact
     def __call__(self, x, positions, cache, meta, valid, replay, group=None, replay_blocks=None):
-        cfg, pol = self.cfg, self.policy
+        cfg, pol, form = self.cfg, self.policy, self.form
         h = RMSNorm(cfg, pol, name="attn_norm")(x)
         a, cache = Attention(
-            cfg, pol, self.kind, self.decode_kernel, self.record_blocks, name="attn"
+            cfg, pol, self.kind, self.decode_kernel, self.record_blocks, form, name="attn"
         )(h, positions, cache=cache, meta=meta, valid=valid, group=group,
           replay_blocks=replay_blocks)  # fmt: skip
         blocks = None
@@ -67,11 +68,11 @@ class Block(nn.Module):
         if cfg.is_moe:
             # small-capacity-first dispatch in the rollout (cache) only: under autodiff a cond
             # would keep both branches' residuals
-            f, routes, aux = MoE(cfg, pol, small_first=cache is not None, name="moe")(
+            f, routes, aux = MoE(cfg, pol, small_first=cache is not None, form=form, name="moe")(
                 h, valid=valid, replay_routes=replay
             )
         else:
-            f, routes, aux = MLP(cfg, pol, name="mlp")(h), None, {}
+            f, routes, aux = MLP(cfg, pol, form, name="mlp")(h), None, {}
         x = nn.with_logical_constraint(x + f, ("batch", "seq", "embed"))
         return x, cache, routes, aux, blocks
 
@@ -89,6 +90,7 @@ class Group(nn.Module):
     policy: DTypePolicy
     decode_kernel: bool = False
     record_blocks: bool = False
+    form: DecodeForm = DecodeForm()
 
     @nn.compact
     def __call__(self, carry, xs, positions, meta, valid):
@@ -106,7 +108,13 @@ class Group(nn.Module):
                 rb = replay_blocks[:, :, n_f]
             n_f += kind == "F"
             x, c, r, aux, blk = Block(
-                self.cfg, self.policy, kind, self.decode_kernel, self.record_blocks, name=name
+                self.cfg,
+                self.policy,
+                kind,
+                self.decode_kernel,
+                self.record_blocks,
+                self.form,
+                name=name,
             )(
                 x,
                 positions,
@@ -139,14 +147,16 @@ class Transformer(nn.Module):
     (``model.attention`` docstring; same parameters, numbers equal up to reduction order).
     ``record_blocks``: the chunked path returns every F layer's block selection in
     ``extras['blocks']`` (for the rollout to record; same numbers).
-    ``unstacked``: the pattern groups run as a Python loop over parameters stored per group
-    (``group_<g>``, see ``decode_params.unstack_groups``) instead of the depth scan over
-    stacked ones. A scan slices every weight out of its stack on every call (XLA copies the
-    slice before the matmul reads it), so a decode step would copy all weights once; the
-    sampler unstacks them
-    once per decode call. The same numbers up to fp32 rounding (XLA fuses the unrolled groups
-    otherwise than the loop body; not for parity paths); compile time grows with depth, so
-    only shallow decode models use it (``rollout.sampler``).
+    ``form``: how the parameters are laid out (``layers.DecodeForm``; the default: as trained):
+    the one-row decode's are rewritten once per weight version (``decode_params.prepare_decode``).
+    ``unstacked`` (or ``form.unstacked``): the pattern groups run as a Python loop over
+    parameters stored per group (``group_<g>``, see ``decode_params.unstack_groups``) instead of
+    the depth scan over stacked ones. A scan slices every weight out of its stack on every call
+    (XLA copies the slice before the matmul reads it), so a decode step would copy all weights
+    once; the sampler unstacks them once per weight version. The same numbers up to fp32
+    rounding (XLA fuses the unrolled groups otherwise than the loop body; not for parity
+    paths); compile time grows with depth, so only shallow decode models use it
+    (``model.decode_params``).
 
     Cache plumbing through the depth scan: without remat the stacked layer caches ([G, ...])
     are the scan carry and each layer scatters its new rows into its group's entry in place, so
@@ -163,6 +173,7 @@ class Transformer(nn.Module):
     decode_kernel: bool = False
     record_blocks: bool = False
     unstacked: bool = False
+    form: DecodeForm = DecodeForm()
 
     @nn.compact
     def __call__(
@@ -203,7 +214,8 @@ class Transformer(nn.Module):
         cfg, pol = self.cfg, self.policy
         b, t = tokens.shape
         p = len(cfg.layer_pattern)
-        embedder = Embedder(cfg, pol, name="embed")
+        form = self.form
+        embedder = Embedder(cfg, pol, form, name="embed")
         x = nn.with_logical_constraint(embedder.encode(tokens), ("batch", "seq", "embed"))
         if cache is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -243,14 +255,14 @@ class Transformer(nn.Module):
             replay,
             replay_blk,
         )
-        if self.unstacked:
+        if self.unstacked or form.unstacked:
             outs = []
             for g in range(cfg.n_groups):
                 if g == cfg.frozen_groups and g and cache is None:  # no gradient below here
                     carry = (jax.lax.stop_gradient(carry[0]), carry[1])
                 xs_g = jax.tree.map(lambda a, g=g: a[g], xs)
                 carry, out = group(
-                    cfg, pol, self.decode_kernel, self.record_blocks, name=f"group_{g}"
+                    cfg, pol, self.decode_kernel, self.record_blocks, form, name=f"group_{g}"
                 )(carry, xs_g, positions, meta, valid)
                 outs.append(out)
             ys = jax.tree.map(lambda *a: jnp.stack(a), *outs)
@@ -263,9 +275,9 @@ class Transformer(nn.Module):
                 length=cfg.n_groups,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            carry, ys = scanned(cfg, pol, self.decode_kernel, self.record_blocks, name="groups")(
-                carry, xs, positions, meta, valid
-            )
+            carry, ys = scanned(
+                cfg, pol, self.decode_kernel, self.record_blocks, form, name="groups"
+            )(carry, xs, positions, meta, valid)
         (x, carried), (new_layers, routes, aux, blocks) = carry, ys
         if in_carry:
             new_layers = carried

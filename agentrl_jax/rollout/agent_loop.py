@@ -139,6 +139,7 @@ class AgentLoop:
         self.evicting = self.eviction is not None
         self.params, self.split = params, None  # split: the prefill sub-mesh's copies
         self.state = self._init_state(stats)
+        self.decode_params = self._prepare()
 
     def _init_state(self, stats: RolloutStats | None) -> LoopState:
         """Empty slots, the page pool, the sampler state (placed on the sub-meshes)."""
@@ -192,8 +193,14 @@ class AgentLoop:
         self.state.trim()
 
     def set_params(self, params) -> None:
-        """Parameters for the following rounds (placed on both sub-meshes when disaggregated)."""
+        """Parameters for the following rounds (placed on both sub-meshes when disaggregated);
+        the decode's are prepared from them once, here."""
         self.params = params if self.split is None else self.split.set_params(params)
+        self.decode_params = self._prepare()
+
+    def _prepare(self):
+        """The decode's parameters of this weight version (``Sampler.prepare``)."""
+        return self.sampler.prepare(self.params, track_mass=self.evicting)
 
     def trajectory(self) -> Trajectory:
         """The padded batch of the finished episodes (call once :meth:`done`); written to
@@ -359,8 +366,9 @@ class AgentLoop:
                 [sl is not None and self.greedy[sl.rec.task_index] for sl in st.slots]
             )
         st.decode, out = self.sampler.decode(
-            self.params, st.decode, self.rng, uids, active, budget, np.int32(stop_after), rows
-        )
+            self.decode_params, st.decode, self.rng, uids, active, budget, np.int32(stop_after),
+            rows,
+        )  # fmt: skip
         if self.split is not None:
             st.stats.decode_devices |= {d.id for d in out.tokens.sharding.device_set}
         out = jax.device_get(out)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from agentrl_jax.model.decode_params import DecodeOptions
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
@@ -39,6 +41,13 @@ class RolloutConfig:
         its options give none (None: ``n_pages``).
       record_blocks: record every F layer's sparse block selection per token
         (``Trajectory.sparse_blocks``; replayed by the trainer with ``rl.use_block_replay``).
+      last_row_logits: non-parity prefill runs the LM head on each sequence's last new row only
+        (parity policies run it on every row, as the trainer's chunks do).
+      fuse_projections: the one-row decode's parameters join each dense MLP's gate and up
+        projections (``model.decode_params``; where its table allows).
+      transpose_head: the one-row decode's parameters hold a tied head's table transposed
+        (where its table allows; packing for the ``decode_matmul`` kernel is the experiment's
+        ``kernels.decode_matmul`` choice).
     """
 
     temperature: float = 1.0
@@ -58,6 +67,9 @@ class RolloutConfig:
     n_pages: int | None = None
     int8_pages: int | None = None
     record_blocks: bool = False
+    last_row_logits: bool = True
+    fuse_projections: bool = True
+    transpose_head: bool = True
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -86,6 +98,12 @@ class RolloutConfig:
     def prefill_rows(self, parity: bool) -> int:
         """Prefill chunk rows actually used (``chunk`` under a parity policy)."""
         return self.chunk if parity or self.prefill_chunk is None else self.prefill_chunk
+
+    def decode_options(self) -> DecodeOptions:
+        """The rewrites the one-row decode's parameters may take (``model.decode_params``)."""
+        return DecodeOptions(
+            fuse_projections=self.fuse_projections, transpose_head=self.transpose_head
+        )
 
     def replace(self, **changes) -> RolloutConfig:
         return dataclasses.replace(self, **changes)

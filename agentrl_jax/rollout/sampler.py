@@ -10,15 +10,23 @@ With ``Cp == C`` (forced for ``policy.parity``) every token's logits are compute
 ``model.chunked.chunked_logits`` with the same chunk, page size and ``max_len`` computes them
 in training (bitwise).
 
-Decode kernel: under non-parity policies (and ``RolloutConfig.decode_kernel``, the default)
-decode feeds one row per step to a model built with ``decode_kernel=True``, so F/D layers attend
-through ``agentrl_jax.kernels.paged_decode_attention`` (impl from ``policy.kernel_impl``: XLA on
-CPU, Pallas on GPU/TPU) reading the page pool and block tables directly; S layers keep their ring
-buffers. Tokens and logprobs equal the chunk path's up to fp32 reduction order (tested). An int8
-pool and recorded eviction / int8 decisions go through the kernel too (a float-pool and an
-int8-pool call merged by log-sum-exp, the keep mask as the kernel's key mask). When the state
-tracks attention mass for KV eviction (``init_state(track_mass=True)``), decode uses the chunk
-path (the kernel returns no probabilities). Parity policies always use the chunk path.
+Decode kernel: where ``model.dispatch.one_row_decode`` says so (``RolloutConfig.decode_kernel``,
+the default, under a non-parity policy, on a state that does not track attention mass) decode
+feeds one row per step to a model built with ``decode_kernel=True``, so F/D layers attend
+through ``agentrl_jax.kernels.paged_decode_attention`` (its impl by ``model.dispatch``: the
+C++ kernel or XLA on CPU, Pallas on GPU/TPU) reading the page pool and block tables directly;
+S layers keep their ring buffers. Tokens and logprobs equal the chunk path's up to fp32
+reduction order (tested). An int8 pool and recorded eviction / int8 decisions go through the
+kernel too (a float-pool and an int8-pool call merged by log-sum-exp, the keep mask as the
+kernel's key mask). When the state tracks attention mass for KV eviction
+(``init_state(track_mass=True)``), decode uses the chunk path (the kernel returns no
+probabilities). Parity policies always use the chunk path.
+
+Decode parameters: the one-row decode reads its parameters rewritten once per weight version
+(``model.decode_params``: unstacked groups, joined MLP projections, the tied head transposed or
+every weight packed for the ``decode_matmul`` kernel). :meth:`Sampler.prepare` makes that value
+(a ``DecodeParams``) and :meth:`Sampler.decode` takes it (the agent loop prepares when its
+weights change); given plain parameters, decode prepares them inside each call.
 
 int8 pool (``init_state(int8_pages=...)``): F/D layers get a second pool of int8 pages with its
 own block tables (``cache['int8_tables']``, filled by the agent loop); pages whose tokens are all
@@ -51,40 +59,23 @@ scheduling (preempted and re-prefilled sequences resample the same tokens).
 from __future__ import annotations
 
 import functools
+import logging
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentrl_jax.kernels import on_multi_device_mesh
 from agentrl_jax.model.chunked import NEVER, fixed_order_logprobs, tempered
-from agentrl_jax.model.decode_params import (
-    can_pack,
-    fuse_projections,
-    pack_weights,
-    transpose_head,
-    unstack_groups,
-)
+from agentrl_jax.model.decode_params import DecodeParams, prepare_decode
+from agentrl_jax.model.dispatch import one_row_decode
+from agentrl_jax.model.layers import DecodeForm
 from agentrl_jax.model.transformer import CacheSpec, Transformer, init_cache
 from agentrl_jax.rollout import slots, threefry
 from agentrl_jax.rollout.cache_sharding import place_decode_state
 from agentrl_jax.rollout.rollout_config import RolloutConfig  # noqa: F401 - re-exported
 
-# The kernel decode unrolls the layer groups of models with at most this many (compile time
-# grows with them).
-UNSTACK_GROUPS = 16
-# Non-parity prefill: the LM head on each sequence's last new row only (``logits_rows``), not
-# on every row of the chunk. Parity policies keep every row: the trainer's chunks run the head
-# on as many rows, so both pick the same matmul kernel.
-LAST_ROW_LOGITS = True
-# One-row decode: a tied LM head against its table transposed once per decode call
-# (``transpose_head``), not on a multi-device mesh (the copy would be resharded).
-TRANSPOSE_HEAD = True
-# One-row decode on the CPU backend under a float32 policy: the weight matmuls through the
-# skinny-matmul kernel, their weights packed once per decode call (``pack_weights``); not on a
-# multi-device mesh (the kernel has no partitioning rule), nor where the kernel is unavailable.
-PACK_WEIGHTS = True
+logger = logging.getLogger(__name__)
 
 
 class DecodeState(NamedTuple):
@@ -226,31 +217,43 @@ class Sampler:
         self.cfg = cfg
         self.prefill_rows = cfg.prefill_rows(model.policy.parity)
         self.is_moe = mcfg.is_moe
-        self.kernel_decode = cfg.decode_kernel and not model.policy.parity
-        # One-row decode of a shallow stack: weights unstacked once per decode call (see
-        # ``Transformer.unstacked``) instead of sliced out of the depth scan on every step.
-        self.unstack_decode = mcfg.n_groups <= UNSTACK_GROUPS
-        # One-row decode: dense MLPs' gate and up projections joined once per decode call
-        # (``fuse_projections``); not under fp8 matmuls, whose per-tensor scales would change, nor
-        # on a multi-device mesh, where joined weights would be resharded.
-        self.fuse_decode = not model.policy.fp8_matmul
-        self.decode_model = Transformer(
-            mcfg,
-            model.policy,
-            decode_kernel=True,
-            record_blocks=record,
-            unstacked=self.unstack_decode,
-        )
+        self.record = record
+        # the one-row decode where the state allows it (``uses_decode_kernel``)
+        self.kernel_decode = one_row_decode(model.policy, cfg.decode_kernel, tracks_mass=False)
+        # Non-parity prefill: the LM head on each sequence's last new row only (``logits_rows``),
+        # not on every row of the chunk. Parity policies keep every row: the trainer's chunks run
+        # the head on as many rows, so both pick the same matmul kernel.
+        self.last_row_logits = cfg.last_row_logits and not model.policy.parity
+        self.decode_options = cfg.decode_options()
+        self._logged_form = None
         self.prefill = jax.jit(self._prefill, donate_argnums=1)
         self.prefill_rows_of = jax.jit(self._prefill_rows_of, donate_argnums=1)
         copy = functools.partial(slots.copy_slots, pattern=mcfg.layer_pattern)
         self._copy = jax.jit(copy, donate_argnums=0)
         self.decode = jax.jit(self._decode, donate_argnums=1)
 
-    def packs_weights(self) -> bool:
-        """Whether the one-row decode packs its weights for the skinny-matmul kernel:
-        ``PACK_WEIGHTS`` and ``decode_params.can_pack`` (read at trace time)."""
-        return PACK_WEIGHTS and can_pack(self.model.policy)
+    def decode_model(self, form: DecodeForm) -> Transformer:
+        """The one-row decode's model, reading parameters of layout ``form``."""
+        return Transformer(
+            self.model.cfg,
+            self.model.policy,
+            decode_kernel=True,
+            record_blocks=self.record,
+            form=form,
+        )
+
+    def prepare(self, params, *, track_mass: bool = False) -> DecodeParams:
+        """The parameters :meth:`decode` reads, prepared once per weight version: rewritten for
+        the one-row decode (``decode_params.prepare_decode`` with ``RolloutConfig``'s options)
+        where decodes of a state with ``track_mass`` take it, else as they are."""
+        if not one_row_decode(self.model.policy, self.cfg.decode_kernel, track_mass):
+            return DecodeParams(params)
+        mcfg, policy = self.model.cfg, self.model.policy
+        prepared = prepare_decode(params, policy, cfg=mcfg, options=self.decode_options)
+        if prepared.form != self._logged_form:
+            self._logged_form = prepared.form
+            logger.info("one-row decode parameters: %s", prepared.form.describe())
+        return prepared
 
     # State ----------------------------------------------------------------------------------
     def init_state(
@@ -312,8 +315,10 @@ class Sampler:
         return any("mass" in layer for layer in state.cache["layers"].values())
 
     def uses_decode_kernel(self, state: DecodeState) -> bool:
-        """Whether :meth:`decode` on ``state`` goes through the paged decode kernel."""
-        return self.kernel_decode and not self.tracks_mass(state)
+        """Whether :meth:`decode` on ``state`` is the one-row decode through the paged decode
+        kernel (``model.dispatch.one_row_decode``)."""
+        mass = self.tracks_mass(state)
+        return one_row_decode(self.model.policy, self.cfg.decode_kernel, mass)
 
     @staticmethod
     def attention_mass(state: DecodeState) -> jax.Array:
@@ -358,7 +363,7 @@ class Sampler:
             tok = jnp.take_along_axis(pad, jnp.minimum(idx, tp + cp - 1), axis=1)
             n_val = jnp.sum(val, axis=1)
             row = jnp.maximum(n_val - 1, 0)
-            last_only = LAST_ROW_LOGITS and not self.model.policy.parity
+            last_only = self.last_row_logits
             logits, cache, extras = self.model.apply(
                 params,
                 tok,
@@ -461,7 +466,8 @@ class Sampler:
         """Generates for active slots until each stops, or ``stop_after`` slots stopped.
 
         Args:
-          params: model parameters.
+          params: :meth:`prepare` of the model parameters (a ``DecodeParams``: made once per
+            weight version), or the parameters themselves (prepared inside this call).
           state: DecodeState; ``logits`` must hold each active slot's next-token logits.
           rng: base PRNG key; uids int32 [B] episode ids (see module docstring).
           active: bool [B] slots that generate. budget: int32 [B] most tokens each may emit.
@@ -471,22 +477,26 @@ class Sampler:
 
         Returns:
           (new state, DecodeOut).
+
+        Raises:
+          ValueError: parameters prepared for the one-row decode given with a state whose
+            decode runs in chunks (it tracks attention mass: ``prepare(track_mass=True)``).
         """
         cfg, model = self.cfg, self.model
         b = active.shape[0]
         n = cfg.max_new_tokens
         c = cfg.chunk
-        kernel = self.uses_decode_kernel(state)  # static: from the state's structure
-        if kernel:  # one row per step
-            model, c = self.decode_model, 1
-            if self.unstack_decode:
-                params = unstack_groups(params, model.cfg.n_groups)
-            if self.fuse_decode and not on_multi_device_mesh():
-                params = fuse_projections(params)
-            if self.packs_weights():
-                params = pack_weights(params, model.cfg)
-            elif TRANSPOSE_HEAD and not on_multi_device_mesh():
-                params = transpose_head(params)
+        mass = self.tracks_mass(state)  # static: from the state's structure
+        if not isinstance(params, DecodeParams):
+            params = self.prepare(params, track_mass=mass)
+        if self.uses_decode_kernel(state):  # one row per step
+            model, c = self.decode_model(params.form), 1
+        elif params.form != DecodeForm():
+            raise ValueError(
+                f"decode parameters prepared for the one-row decode ({params.form.describe()}) "
+                "given with a state that tracks attention mass: prepare(track_mass=True)"
+            )
+        params = params.params
         stops = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
         mcfg = model.cfg
         out_tok = jnp.zeros((b, n), jnp.int32)

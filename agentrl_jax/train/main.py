@@ -1,7 +1,8 @@
 """The main job: SFT warm start -> held-out evaluation -> RL -> evaluation, in one run directory.
 
-``agentrl train experiments/default.py`` (``make train``) runs :func:`run` and ends with one JSON
-summary line (``heldout_success_before_rl``, ``heldout_success_after_rl`` (greedy),
+``agentrl train EXPERIMENT`` (``make train``: ``experiments/smollm2_rl.py``) runs :func:`run`
+and ends with one JSON summary line (``heldout_success_before_rl``,
+``heldout_success_after_rl`` (greedy),
 ``heldout_sampled_success_before_rl``, ``heldout_sampled_success_after_rl``,
 ``goal_adherence_after_rl``, ``heldout_gain`` (per mode: the paired difference after - before on
 the same held-out tasks with its standard error and the tasks RL fixed / broke, see
@@ -34,6 +35,7 @@ from agentrl_jax import multihost
 from agentrl_jax.config import ConfigDict, apply_overrides, load_config
 from agentrl_jax.experiment import Sections, build
 from agentrl_jax.metrics import MetricsWriter, ProgressBar, make_run_dir, save_config
+from agentrl_jax.model import dispatch
 from agentrl_jax.sharding import maybe_initialize_distributed
 from agentrl_jax.train import runs, stages
 from agentrl_jax.train.placement import Placement
@@ -71,6 +73,15 @@ def run(cfg: ConfigDict, *, resume_dir: str | None = None, progress: bool | None
     sections = build(cfg)
     place = Placement(sections.mesh, sections.model, sections.policy)  # the mesh fits, or fail
     log.info("%s", sections.policy.describe())
+    ro = sections.rollout
+    paths = dispatch.describe(
+        sections.model,
+        sections.policy,
+        seq_len=ro.max_len,
+        page_size=ro.page_size,
+        decode_kernel=ro.decode_kernel,
+    )
+    log.info("%s", paths)
     rl = sections.rl
     kwargs = f" {dict(rl.advantage_kwargs)}" if rl.advantage_kwargs else ""
     log.info("advantage %r%s, policy loss %r", rl.advantage, kwargs, rl.loss.name)

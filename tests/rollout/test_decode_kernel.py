@@ -11,7 +11,15 @@ from test_agent_loop import play
 from agentrl_jax import kernels
 from agentrl_jax.model.attention import over_live_pages, page_buckets
 from agentrl_jax.model.config import ModelConfig
-from agentrl_jax.model.decode_params import fuse_projections, pack_weights, transpose_head
+from agentrl_jax.model.decode_params import (
+    DecodeParams,
+    decode_form,
+    fuse_projections,
+    pack_weights,
+    prepare_decode,
+    transpose_head,
+)
+from agentrl_jax.model.layers import DecodeForm
 from agentrl_jax.model.transformer import (
     CacheSpec,
     Transformer,
@@ -19,7 +27,6 @@ from agentrl_jax.model.transformer import (
     init_params,
 )
 from agentrl_jax.precision import get_policy
-from agentrl_jax.rollout import sampler as sampler_mod
 from agentrl_jax.rollout.parity import trainer_logprobs
 from agentrl_jax.rollout.sampler import Sampler
 
@@ -85,13 +92,18 @@ def test_fuse_projections_joins_dense_mlp_weights_only():
     b = 3
     toks = jax.random.randint(jax.random.key(5), (b, 9), 0, 64)
 
-    @jax.jit
-    def step(params):
-        cache = init_cache(cfg, pol, CacheSpec(b, 32, page_size=8))
-        _, cache, _ = model.apply(params, toks, cache=cache)
-        return model.apply(params, toks[:, :1], cache=cache)[0]
+    def stepper(model):
+        @jax.jit
+        def step(params):
+            cache = init_cache(cfg, pol, CacheSpec(b, 32, page_size=8))
+            _, cache, _ = model.apply(params, toks, cache=cache)
+            return model.apply(params, toks[:, :1], cache=cache)[0]
 
-    np.testing.assert_allclose(step(fused), step(params), rtol=1e-6, atol=1e-6)
+        return step
+
+    fused_model = model.clone(form=DecodeForm(fused_mlp=True))  # reads w_gate_up
+    np.testing.assert_allclose(stepper(fused_model)(fused), stepper(model)(params), rtol=1e-6,
+                               atol=1e-6)  # fmt: skip
 
 
 @pytest.mark.parametrize("scaled", [True, False])
@@ -114,12 +126,15 @@ def test_transpose_head_adds_the_tied_table_transposed(scaled):
 
     toks = jax.random.randint(jax.random.key(8), (3, 5), 0, 64)
     logits = jax.jit(lambda p: model.apply(p, toks)[0])
-    got, want = logits(moved), logits(params)
+    transposed = model.clone(form=DecodeForm(head="transposed"))
+    logits_t = jax.jit(lambda p: transposed.apply(p, toks)[0])
+    got, want = logits_t(moved), logits(params)
     assert float(jnp.std(want)) > 0.1
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     doubled = {**moved["params"]["embed"], "table_t": 2 * table.T}  # the head reads table_t
     doubled = {**moved, "params": {**moved["params"], "embed": doubled}}
-    np.testing.assert_allclose(logits(doubled), 2 * want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logits_t(doubled), 2 * want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(logits(doubled), want)  # the plain form reads the table
 
 
 @pytest.mark.skipif(not skinny_matmul_cpu.available(), reason="no skinny-matmul kernel")
@@ -167,10 +182,14 @@ def test_pack_weights_packs_the_decode_matmuls(scaled, tied):
 
         return step
 
-    step = stepper(model, cfg)
-    want = step(params)
+    want = stepper(model.clone(form=DecodeForm(fused_mlp=True)), cfg)(params)
+    packed_form = DecodeForm(fused_mlp=True, head="packed", matmul="cpu")
+    step = stepper(model.clone(form=packed_form), cfg)
     assert float(jnp.std(want)) > 0.1
     np.testing.assert_allclose(step(packed), want, rtol=0, atol=1e-5)
+    reference = stepper(model.clone(form=DecodeForm(fused_mlp=True, head="packed",
+                                                    matmul="reference")), cfg)  # fmt: skip
+    np.testing.assert_allclose(reference(packed), want, rtol=0, atol=1e-5)
     embed = {**packed["params"]["embed"]}
     embed["head_packed"] = 2 * embed["head_packed"]
     doubled = {**packed, "params": {**packed["params"], "embed": embed}}
@@ -187,8 +206,8 @@ def test_pack_weights_packs_the_decode_matmuls(scaled, tied):
         w = plain[name]  # [G, E, K, n]
         assert got[name + "_packed"].shape[:2] == w.shape[:2]
         np.testing.assert_array_equal(unpack(got[name + "_packed"], w.shape[-1]), w)
-    moe_step = stepper(moe_model, moe_cfg)
-    want = moe_step(moe_params)
+    want = stepper(moe_model, moe_cfg)(moe_params)
+    moe_step = stepper(moe_model.clone(form=DecodeForm(head="packed", matmul="cpu")), moe_cfg)
     assert float(jnp.std(want)) > 0.1
     np.testing.assert_allclose(moe_step(moe_packed), want, rtol=0, atol=1e-5)
     layer = moe_packed["params"]["groups"]["layer_0"]
@@ -198,42 +217,64 @@ def test_pack_weights_packs_the_decode_matmuls(scaled, tied):
     assert float(jnp.max(jnp.abs(moe_step(zeroed) - want))) > 1e-2  # the experts read the copy
 
 
-def test_decode_joins_weights_except_on_a_multi_device_mesh(monkeypatch, fp32_model):
-    """The kernel decode calls ``fuse_projections`` once per decode call, not under a mesh of
-    several devices (also while tracing) nor under fp8 matmuls; ``pack_weights`` once under
-    float32 on one device (where the skinny-matmul kernel builds), and ``transpose_head``
-    where it does not pack (fp8 included: the head is not an fp8 matmul), not under a mesh."""
-    calls, heads, packs = [], [], []
-    real, real_head, real_pack = (sampler_mod.fuse_projections, sampler_mod.transpose_head,
-                                  sampler_mod.pack_weights)  # fmt: skip
-    monkeypatch.setattr(sampler_mod, "fuse_projections", lambda p: calls.append(1) or real(p))
-    monkeypatch.setattr(sampler_mod, "transpose_head", lambda p: heads.append(1) or real_head(p))
-    monkeypatch.setattr(sampler_mod, "pack_weights",
-                        lambda p, c: packs.append(1) or real_pack(p, c))  # fmt: skip
+def test_decode_params_rewrites_by_the_table(fp32_model):
+    """``decode_form``: a dense model's MLP projections joined except under fp8 matmuls or on a
+    mesh of several devices; weights packed under float32 on one device (where the skinny-matmul
+    kernel builds, unless ``kernels.decode_matmul='xla'``), else the tied head transposed (fp8
+    included: the head is not an fp8 matmul), not on a mesh; shallow models unstacked.
+    ``prepare_decode`` makes the rewrites the form names, and the decode reads them: the packed
+    decode's matmuls are the kernel's calls; a prepared value is taken as it is."""
     params = fp32_model[1]
-    ones = np.ones(N_SLOTS, bool)
-    args = (jax.random.key(0), np.arange(N_SLOTS, dtype=np.int32), ones)
-    budget = np.full(N_SLOTS, 2, np.int32)
     native = skinny_matmul_cpu.available()
-    for policy, n_dev, pack_on, want in (
-        ("fp32", 1, True, (1, 0, 1) if native else (1, 1, 0)),
-        ("fp32", 1, False, (1, 1, 0)),
-        ("fp32", 2, True, (0, 0, 0)),
-        ("fp8", 1, True, (0, 1, 0)),
-        ("bf16", 1, True, (1, 1, 0)),
+    no_pack = {"decode_matmul": "xla"}
+    dense = not CFG.is_moe  # a MoE model has no dense MLP to join
+    for policy, n_dev, kernels_, want in (
+        ("fp32", 1, {}, (dense, "packed" if native else "transposed")),
+        ("fp32", 1, no_pack, (dense, "transposed")),
+        ("fp32", 2, {}, (False, "table")),
+        ("fp8", 1, {}, (False, "transposed")),
+        ("bf16", 1, {}, (dense, "transposed")),
     ):  # fmt: skip
-        for seen in (calls, heads, packs):
-            seen.clear()
-        monkeypatch.setattr(sampler_mod, "PACK_WEIGHTS", pack_on)
-        sampler = Sampler(Transformer(CFG, get_policy(policy)), SAMPLING)
-        st = sampler.init_state(N_SLOTS, 16)
+        pol = get_policy(policy, kernels=kernels_)
         mesh = jax.make_mesh((n_dev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                              devices=jax.devices()[:n_dev])  # fmt: skip
         with jax.set_mesh(mesh):
-            jaxpr = jax.make_jaxpr(sampler._decode)(params, st, *args, budget, np.int32(N_SLOTS))
-        assert (len(calls), len(heads), len(packs)) == want, (policy, n_dev, pack_on)
-        # the packed decode's matmuls are the kernel's calls
-        assert (skinny_matmul_cpu.TARGET in str(jaxpr)) == bool(packs), (policy, n_dev, pack_on)
+            form = decode_form(CFG, pol)
+            prepared = prepare_decode(params, pol, cfg=CFG)
+        assert (form.fused_mlp, form.head) == want, (policy, n_dev, kernels_)
+        assert prepared.form == form and form.unstacked  # 1 group <= 16
+        assert (form.matmul == "cpu") == (want[1] == "packed")
+        inner = prepared.params["params"]
+        assert ("groups" in inner) != form.unstacked
+        assert ("table_t" in inner["embed"]) == (form.head == "transposed")
+        assert ("head_packed" in inner["embed"]) == (form.head == "packed")
+
+        sampler = Sampler(Transformer(CFG, pol), SAMPLING)
+        st = sampler.init_state(N_SLOTS, 16)
+        ones = np.ones(N_SLOTS, bool)
+        args = (jax.random.key(0), np.arange(N_SLOTS, dtype=np.int32), ones)
+        budget = np.full(N_SLOTS, 2, np.int32)
+        with jax.set_mesh(mesh):
+            jaxpr = jax.make_jaxpr(sampler._decode)(prepared, st, *args, budget,
+                                                    np.int32(N_SLOTS))  # fmt: skip
+        assert (skinny_matmul_cpu.TARGET in str(jaxpr)) == form.packed, (policy, n_dev)
+
+
+def test_prepared_params_must_fit_the_decode_path(fp32_model):
+    """A state that tracks attention mass decodes in chunks: it takes plain parameters
+    (``prepare(track_mass=True)``), not ones rewritten for the one-row decode."""
+    sampler = Sampler(Transformer(CFG, get_policy("fp32")), SAMPLING)
+    params = fp32_model[1]
+    plain = sampler.prepare(params, track_mass=True)
+    assert isinstance(plain, DecodeParams) and plain.form == DecodeForm()
+    assert plain.params is params
+    one_row = sampler.prepare(params)
+    assert one_row.form != DecodeForm()
+    st = sampler.init_state(N_SLOTS, 16, track_mass=True)
+    args = (jax.random.key(0), np.arange(N_SLOTS, dtype=np.int32), np.ones(N_SLOTS, bool))
+    budget = np.full(N_SLOTS, 2, np.int32)
+    with pytest.raises(ValueError, match="prepare\\(track_mass=True\\)"):
+        jax.make_jaxpr(sampler._decode)(one_row, st, *args, budget, np.int32(N_SLOTS))
 
 
 @pytest.fixture(scope="module")

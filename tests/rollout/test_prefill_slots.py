@@ -118,11 +118,9 @@ def test_copy_slots_equals_prefilling_the_same_tokens(fp32_model, n_pages):
         sampler.copy_slots(got, [1, 4], [4, 2])
 
 
-def test_fast_prefill_runs_the_head_on_the_last_row_only(fp32_model, monkeypatch):
-    """Non-parity prefill (``sampler.LAST_ROW_LOGITS``): the LM head on each slot's last new
-    row gives the logits the every-row head gives there; parity policies keep every row."""
-    from agentrl_jax.rollout import sampler as sampler_mod
-
+def test_fast_prefill_runs_the_head_on_the_last_row_only(fp32_model):
+    """Non-parity prefill (``RolloutConfig.last_row_logits``): the LM head on each slot's last
+    new row gives the logits the every-row head gives there; parity policies keep every row."""
     parity_model, params = fp32_model
     model = Transformer(CFG, get_policy("fp32"))
     rng = np.random.default_rng(3)
@@ -131,8 +129,7 @@ def test_fast_prefill_runs_the_head_on_the_last_row_only(fp32_model, monkeypatch
     n_new[2] = 0  # a slot left untouched keeps its (zero) logits
 
     def prefill(last_row, model=model):
-        monkeypatch.setattr(sampler_mod, "LAST_ROW_LOGITS", last_row)
-        s = sampler_mod.Sampler(model, SAMPLING)  # not the cached one: the flag is read at trace
+        s = get_sampler(model, SAMPLING.replace(last_row_logits=last_row))
         text = s.prefill.lower(params, s.init_state(B), toks, n_new).as_text()
         chunk_logits = f"tensor<{B}x{s.prefill_rows}x{CFG.vocab_size}xf32>"  # every row's
         return s.prefill(params, s.init_state(B), toks, n_new)[0].logits, chunk_logits in text
