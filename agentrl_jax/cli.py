@@ -4,13 +4,13 @@ export``.
 Each subcommand lazily imports its implementation and calls ``run_from_cli(args)`` with the
 parsed ``argparse.Namespace``, so a missing piece only disables its own subcommand::
 
-    agentrl train experiments/default.py:smoke=True --set model.n_layers=8
-    agentrl eval runs/default-20250101-120000 --split heldout --episodes 64
-    agentrl sweep experiments/default.py --set rl.lr=1e-5
+    agentrl train experiments/toy.py:smoke=True --set model.n_layers=8
+    agentrl eval runs/toy-20250101-120000 --split heldout --episodes 64
+    agentrl sweep experiments/toy.py --set rl.lr=1e-5
     agentrl plan experiments/seed_moe_100l.py --devices 256 --accelerator h100
     agentrl train EXP --coordinator HOST:PORT --num-processes N --process-id I  (each process)
     agentrl bench rollout -- --fast      (runs benchmarks/rollout.py with this Python)
-    agentrl report runs/default-20250101-120000
+    agentrl report runs/toy-20250101-120000
     agentrl convert path/to/Qwen3-0.6B runs/qwen3      (an HF directory -> a run directory)
     agentrl convert model.gguf models/smollm2          (a GGUF file -> an HF directory)
     agentrl export runs/qwen3 path/to/exported         (a checkpoint -> an HF directory)

@@ -5,7 +5,7 @@ returning an ``ml_collections.ConfigDict`` built on ``agentrl_jax.experiment.bas
 and optionally ``sweep(add)`` calling ``add(**overrides)`` once per sweep point (big_vision
 style)::
 
-    cfg = load_config("experiments/default.py:smoke=True", overrides=["model.n_layers=8"])
+    cfg = load_config("experiments/toy.py:smoke=True", overrides=["model.n_layers=8"])
 
 This module is the generic machinery and imports nothing of the project: the sections and their
 defaults live with the code that owns them (frozen dataclasses), ``agentrl_jax.experiment``

@@ -68,7 +68,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASYNC = ["rl.loss.tis_cap=2.0"]  # the importance correction of the lag
 SETTINGS = {
     "coderepair": (
-        "experiments/default.py",
+        "experiments/toy.py",
         ["train.sft=False", "train.eval_before=False", "eval.modes=('greedy',)"],
     ),
     "pyrepair": (
@@ -259,7 +259,7 @@ def heldout(sections, runs: dict) -> dict:
     }
 
 
-SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
+SMOKE = os.path.join(ROOT, "experiments", "toy.py") + ":smoke=True"
 SMOKE_ASYNC = [
     "train.sft=False",
     "train.eval_before=False",

@@ -179,7 +179,7 @@ def mesh_lines(names: list[str], reps: int):
 
 # Two processes --------------------------------------------------------------------------------
 SMOKE = [
-    "experiments/default.py:smoke=True",
+    "experiments/toy.py:smoke=True",
     "--set=mesh.fsdp=-1",
     "--set=sft.steps=2",
     "--set=sft.batch_size=4",
@@ -270,7 +270,7 @@ def process_line() -> dict:
         "mesh": "fsdp4",
         "processes": 2,
         "devices_per_process": 2,
-        "experiment": "default.py:smoke=True, 2 SFT + 2 RL steps",
+        "experiment": "toy.py:smoke=True, 2 SFT + 2 RL steps",
         "max_abs_param_diff_vs_1proc": max(
             float(np.max(np.abs(a - b))) for a, b in zip(p_two, p_one)
         ),

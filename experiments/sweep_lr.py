@@ -1,12 +1,12 @@
-"""Learning-rate sweep of the default experiment (an example of ``sweep(add)``).
+"""Learning-rate sweep of the toy experiment (an example of ``sweep(add)``).
 
     agentrl sweep experiments/sweep_lr.py                      three sequential runs
     agentrl sweep experiments/sweep_lr.py:vmap=True            one vmapped learner for all three
     agentrl sweep experiments/sweep_lr.py:smoke=True,vmap=True  seconds-sized check
 
-Variants: ``smoke`` (the default experiment's smoke model and loop, no SFT), ``vmap`` (sets
+Variants: ``smoke`` (the toy experiment's smoke model and loop, no SFT), ``vmap`` (sets
 ``sweep_vectorized``: one jitted ``jax.vmap`` of the RL update for all points, each point's
-values in its own learner state; it needs 1 PPO epoch x 1 minibatch per step, the default's
+values in its own learner state; it needs 1 PPO epoch x 1 minibatch per step, the toy's
 setting; see ``agentrl_jax.train.sweep_vmap``).
 """
 
@@ -19,8 +19,8 @@ LRS = (3e-5, 1e-4, 3e-4)
 
 def get_config(arg=None):
     arg = parse_arg(arg, smoke=False, vmap=False)
-    default = load_module(os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"))
-    cfg = default.get_config(f"smoke={arg.smoke}")
+    toy = load_module(os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy.py"))
+    cfg = toy.get_config(f"smoke={arg.smoke}")
     cfg.name = "sweep_lr"
     cfg.sweep_vectorized = arg.vmap
     if arg.vmap:  # the vmapped learner runs one update per step (1 PPO epoch x 1 minibatch)

@@ -27,7 +27,7 @@ def test_experiment_loads_in_smoke_mode(path):
 
 
 def test_overrides_errors_name_the_key():
-    path = os.path.join(ROOT, "experiments", "default.py")
+    path = os.path.join(ROOT, "experiments", "toy.py")
     cfg = load_config(path, ["model.n_layers=8", "policy=fp32"])
     assert cfg.model.n_layers == 8 and cfg.policy == "fp32"
     with pytest.raises(ValueError, match="model.n_layrs"):
@@ -52,7 +52,7 @@ def test_moved_keys_name_the_new_key(tmp_path):
     """``train.advantage`` / ``train.advantage_kwargs`` live in ``rl``: setting the old key in an
     override, an experiment module or a config built in code is an error naming the new key; a
     saved run's config that predates the move reads under the new names."""
-    path = os.path.join(ROOT, "experiments", "default.py")
+    path = os.path.join(ROOT, "experiments", "toy.py")
     moved = "config key 'train.advantage' moved to 'rl.advantage'"
     with pytest.raises(ValueError, match=moved):
         load_config(path, ["train.advantage=rloo"])

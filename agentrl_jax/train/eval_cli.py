@@ -1,6 +1,6 @@
 """``agentrl eval RUN_DIR_OR_CHECKPOINT``: evaluate a checkpoint of a run, print one JSON line.
 
-    agentrl eval runs/default-20260101-120000 [--split heldout] [--difficulty 1] [--episodes N]
+    agentrl eval runs/toy-20260101-120000 [--split heldout] [--difficulty 1] [--episodes N]
         [--seed S] [--pass-k K] [--transcripts PATH] [--set eval.modes='("greedy",)']
 
 The run's own config (its ``config.json`` with the changes its resumes recorded, ``--set``

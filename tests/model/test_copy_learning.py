@@ -19,9 +19,7 @@ from agentrl_jax.model.config import ModelConfig
 from agentrl_jax.model.transformer import Transformer, init_params
 from agentrl_jax.precision import get_policy
 
-DEFAULT_EXPERIMENT = os.path.join(
-    os.path.dirname(__file__), "..", "..", "experiments", "default.py"
-)
+DEFAULT_EXPERIMENT = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "toy.py")
 DEFAULT = to_dataclass(load_config(DEFAULT_EXPERIMENT).model, ModelConfig)
 T = 48
 MARKED = (300, 324)  # the token to copy is one of these 24 ids (like the 24 typos)

@@ -15,7 +15,7 @@ from agentrl_jax.rl.attention_credit import attention_credit_mass, final_turn_qu
 from benchmarks.common import preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
+SMOKE = os.path.join(ROOT, "experiments", "toy.py") + ":smoke=True"
 
 
 def _reference_layer_mass(q, k, queries, valid, window):

@@ -22,7 +22,7 @@ from agentrl_jax.train.main import run
 from benchmarks.common import preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
+SMOKE = os.path.join(ROOT, "experiments", "toy.py") + ":smoke=True"
 B, T = 4, 12
 CFG = preset("tiny-dense", vocab_size=48, layer_pattern="D", d_ff=64)
 

@@ -24,7 +24,7 @@ from agentrl_jax.train.placement import Placement
 from agentrl_jax.train.rl_loop import TASKS_FILE, RLRun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
+SMOKE = os.path.join(ROOT, "experiments", "toy.py") + ":smoke=True"
 STEPS = 4
 ASYNC = [
     "train.sft=False",

@@ -83,7 +83,7 @@ def _launch(workdir, processes: int, devices: int, cache, resume=None) -> list[s
     if resume:
         cmd = [AGENTRL, "train", "--resume", str(resume)]
     else:
-        cmd = [AGENTRL, "train", "experiments/default.py:smoke=True", f"--set=workdir={workdir}"]
+        cmd = [AGENTRL, "train", "experiments/toy.py:smoke=True", f"--set=workdir={workdir}"]
         cmd += [f"--set={s}" for s in SETTINGS]
     port = _free_port()
     out = []
@@ -146,7 +146,7 @@ def test_two_processes_match_one_and_resume_bitwise(tmp_path):
     # kill both processes of the third run once its first RL checkpoint is written
     deadline = time.time() + 600
     while time.time() < deadline:
-        subdirs = [n for n in os.listdir(dirs["killed"]) if n.startswith("default")]
+        subdirs = [n for n in os.listdir(dirs["killed"]) if n.startswith("toy")]
         if subdirs and os.path.isdir(
             os.path.join(dirs["killed"], subdirs[0], "checkpoints", "rl", "1")
         ):

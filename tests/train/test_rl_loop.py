@@ -21,7 +21,7 @@ from agentrl_jax.train.rl_loop import RLRun, TrainConfig
 from agentrl_jax.train.stages import stored_sft_eval
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
+SMOKE = os.path.join(ROOT, "experiments", "toy.py") + ":smoke=True"
 # End-to-end runs on one device: the 8 fake devices are the mesh tests' (an 8-way run costs
 # 2-3x the CPU time and memory of a one-device run on 2 cores).
 ONE_DEVICE = "mesh.devices=1"
@@ -48,7 +48,7 @@ def test_main_job_smoke(tmp_path):
         "run_dir",
     ):
         assert key in summary, key
-    assert summary["model"].startswith("default model, trained from scratch (")
+    assert summary["model"].startswith("toy model, trained from scratch (")
     run_dir = summary["run_dir"]
     assert summary["nonfinite_steps"] == 0
     gain = summary["heldout_gain"]["greedy"]  # paired over the same held-out tasks

@@ -27,7 +27,7 @@ from agentrl_jax.train.checkpoint import Checkpointer, UnusableCheckpoint, resto
 from agentrl_jax.train.main import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMOKE = os.path.join(ROOT, "experiments", "default.py") + ":smoke=True"
+SMOKE = os.path.join(ROOT, "experiments", "toy.py") + ":smoke=True"
 # one device: the 8 fake devices are the mesh tests' (an 8-way run costs 2-3x the CPU time)
 FAST = ["train.sft=False", "train.eval_before=False", "eval.modes=('greedy',)", "mesh.devices=1"]
 

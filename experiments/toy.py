@@ -1,12 +1,13 @@
-"""The default experiment: a small agent trained on the code-repair task on a CPU.
+"""The toy experiment: a small agent trained from scratch on the code-repair task on a CPU.
 
-``make train`` runs it: SFT warm start on scripted-expert demonstrations, then GRPO with
-difficulty-filtered tasks, held-out evaluation (512 medium tasks) before and after RL.
+``make train-toy`` runs it (``make train`` runs the real model, ``smollm2_rl.py``): SFT warm
+start on scripted-expert demonstrations, then GRPO with difficulty-filtered tasks, held-out
+evaluation (512 medium tasks) before and after RL.
 Expected on a 2-core CPU (about 12-20 minutes): held-out greedy success ~74% after SFT and a
 paired RL gain of about +2 points (five-seed mean +2.2; docs/experiments.md has every number
 and the variants tried).
 
-Variants: ``experiments/default.py:smoke=True`` (seconds, for tests).
+Variants: ``experiments/toy.py:smoke=True`` (seconds, for tests).
 """
 
 from agentrl_jax.config import parse_arg
@@ -16,7 +17,7 @@ from agentrl_jax.experiment import base_config
 def get_config(arg=None):
     arg = parse_arg(arg, smoke=False)
     cfg = base_config()
-    cfg.name = "default"
+    cfg.name = "toy"
     cfg.smoke = arg.smoke
     cfg.policy = "bf16"
     m = cfg.model
