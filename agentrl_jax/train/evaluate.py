@@ -10,6 +10,8 @@
   * ``goal_adherence``: fraction of episodes whose rule (constraint) held at the end;
   * ``mean_turns``, ``mean_tokens``: model turns and total tokens per episode;
   * ``truncated``: fraction stopped by the turn / token cap before the environment ended them;
+  * ``rejected_turns``: fraction of model turns the environment answered with an error (a
+    malformed tool call, a reply without a code block, a call its tools refuse);
   * ``per_bug_type``: ``{bug type: success rate}`` (a task counts once under each type it has);
     ``per_bug_type_n``: episodes per type;
   * ``per_bug_subtype``, ``per_bug_subtype_n``: the same per ``"type/subtype"`` of the injected
@@ -54,6 +56,7 @@ RESULT_KEYS = (
     "mean_turns",
     "mean_tokens",
     "truncated",
+    "rejected_turns",
     "per_bug_type",
     "per_bug_type_n",
     "per_bug_subtype",
@@ -220,6 +223,8 @@ def summarize(traj, tasks: Sequence[Any], *, greedy: bool) -> dict[str, Any]:
         "mean_turns": float(turns.mean()),
         "mean_tokens": float(valid.sum(axis=1).mean()),
         "truncated": float(np.asarray(traj.truncated, bool).mean()),
+        # model turns answered by an error (a malformed tool call, no code block, a bad path)
+        "rejected_turns": float(np.mean([bool(r["error"]) for r in traj.logs] or [0.0])),
         "per_bug_type": _means(per_type),
         "per_bug_type_n": {t: len(v) for t, v in per_type.items()},
         "per_bug_subtype": _means(per_sub),

@@ -7,7 +7,7 @@ import pytest
 from rollout_setup import CFG, N_SLOTS, SAMPLING
 from test_agent_loop import play
 
-from agentrl_jax.model.chunked import fixed_order_logprobs
+from agentrl_jax.model.chunked import fixed_order_logprobs, tempered
 from agentrl_jax.precision import get_policy
 from agentrl_jax.rollout.kv_cache import EvictionConfig, PagePool, dense_kv_bytes, kv_bytes_per_seq
 from agentrl_jax.rollout.parity import trainer_logprobs
@@ -80,7 +80,8 @@ def test_filter_logits_matches_numpy(temperature, top_k, top_p):
 
 def test_sample_tokens_greedy_rows():
     """Rows marked greedy take the argmax; the other rows keep the tokens they sample without
-    the mask; every logprob is the untempered one."""
+    the mask; every logprob is of the tempered distribution (the policy sampled from), greedy
+    rows' too."""
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.normal(size=(6, 40)).astype(np.float32) * 2)
     keys = jax.random.split(jax.random.key(5), 6)
@@ -91,7 +92,9 @@ def test_sample_tokens_greedy_rows():
     want = np.where(rows, np.argmax(np.asarray(x), -1), np.asarray(free))
     np.testing.assert_array_equal(np.asarray(tok), want)
     assert (np.asarray(free)[rows] != want[rows]).any()  # the mask changed something
-    np.testing.assert_array_equal(np.asarray(lp), np.asarray(fixed_order_logprobs(x, tok)))
+    want_lp = fixed_order_logprobs(tempered(x, cfg.temperature), tok)
+    np.testing.assert_array_equal(np.asarray(lp), np.asarray(want_lp))
+    assert not np.allclose(np.asarray(lp), np.asarray(fixed_order_logprobs(x, tok)))
 
 
 def test_first_argmax_matches_argmax_ties_nan_inf():

@@ -51,8 +51,10 @@ def test_summarize_hand_counts():
         truncated=np.array([False, True, False, False]),
         valid=valid,
         turn_ids=turn_ids,
+        logs=tuple({"error": e} for e in ("", "no code block", "", "", "bad path", "", "", "")),
     )
     out = summarize(traj, tasks, greedy=True)
+    assert out["rejected_turns"] == 0.25  # 2 of the 8 logged model turns
     assert out["success"] == 0.75 and out["goal_adherence"] == 0.75 and out["truncated"] == 0.25
     assert out["mean_tokens"] == 7.0  # (10 + 6 + 8 + 4) / 4
     assert out["mean_turns"] == 2.5  # max turn ids 4, 2, 3, 1
@@ -180,8 +182,9 @@ def test_evaluate_keys_on_tiny_model(tiny):
     out = evaluate(model, params, tasks, greedy=True, cfg=EVAL)
     assert set(out) == set(RESULT_KEYS)
     assert out["n_episodes"] == 3 and out["greedy"] is True
-    for k in ("success", "goal_adherence", "truncated"):
+    for k in ("success", "goal_adherence", "truncated", "rejected_turns"):
         assert 0.0 <= out[k] <= 1.0
+    assert out["rejected_turns"] > 0  # an untrained model's calls are mostly malformed
     assert out["mean_turns"] >= 1 and out["mean_tokens"] > 100  # the prompt alone is > 100
     assert set(out["per_bug_type"]) <= set(BUG_TYPES)
     assert sum(out["per_bug_type_n"].values()) == 3
