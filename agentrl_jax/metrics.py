@@ -7,6 +7,7 @@ A run directory holds everything one run writes::
       metrics.jsonl      one JSON object per :meth:`MetricsWriter.write` call
       tb/                TensorBoard event files (scalars only)
       tool_calls.jsonl   every tool call of the RL rollouts, with its step and attempt
+      hack_suspects.jsonl  each episode the reward-hack check flagged, whole (``train/rl_loop``)
       plots/             written by ``agentrl report`` (:mod:`agentrl_jax.report`)
       run.lock, attempts.jsonl, config_history.jsonl, summary.json, checkpoints/
                          the training job's (``train/runs.py``, ``train/checkpoint.py``)
