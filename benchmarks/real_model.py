@@ -17,11 +17,24 @@ measures it and returns its lines, so a new measurement is one more function):
                              to ``transformers.generate``'s before the first difference
               load_s         ``load_pretrained`` of the converted directory (median of 5)
               params         parameter count
+  rollout   episodes of the main job's task (``experiments/smollm2_rl.py``: Python repair level
+            3, two turns, temperature 0.7, 128 new tokens a turn) played by the agent loop at
+            batch ``--batches`` (one task per slot, ``--reps`` timed runs after a warm one):
+              new_tokens_per_s   generated tokens over the whole run's wall time (prefill,
+                                 decode and the sandboxed test runs between turns)
+              prompt_tokens_per_s  prefilled tokens (prompts, observations) over the same time
+              env_s              of that, the environment's steps (tool calls), median
+  run       a finished ``make train`` run (``--run-dir``): per-step medians of the RL loop's
+            ``rl/rollout_s`` and ``rl/update_s`` (the update's logprobs: the gradient pass's own,
+            fused with one epoch and one minibatch, so ``logprob_s`` is 0), ``rl_step_s`` (their
+            sum), peak RSS, held-out success before and after RL per decoding mode with the
+            paired gain and its standard error, and the run's wall time
 
 Every line: bench, variant, model, backend, devices, jax_version (``common.env_fields``),
 torch_version, transformers_version, load_avg_1m.
 
-Usage: python benchmarks/real_model.py [--variants convert] [--reps 5] [--out FILE.jsonl]
+Usage: python benchmarks/real_model.py [--variants convert,rollout,run] [--reps 5]
+       [--batches 8,32] [--run-dir RUN_DIR] [--out FILE.jsonl]
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ from collections.abc import Callable
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.append(_HERE)  # after site-packages: `common` without shadowing `kernels`
+ROOT = os.path.dirname(_HERE)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -144,14 +158,126 @@ def convert_variant(args, tmp: str) -> list[dict]:
     return [line]
 
 
+def rollout_variant(args, tmp: str) -> list[dict]:
+    from agentrl_jax.config import load_config
+    from agentrl_jax.envs.pyrepair import make_task
+    from agentrl_jax.experiment import build
+    from agentrl_jax.rollout.agent_loop import run_episodes
+    from agentrl_jax.rollout.loop_state import RolloutStats
+
+    s = build(load_config(os.path.join(ROOT, "experiments", "smollm2_rl.py"), []))
+    _, params = load_pretrained(s.init.hf_path)
+    model = Transformer(s.model, s.policy)
+    tok = s.env.tokenizer()
+    out = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        tasks = [make_task(1_000_000 + i, s.data.difficulties[0]) for i in range(batch)]
+        runs = []
+        for rep in range(args.reps + 1):  # the first run compiles
+            stats, env_s = RolloutStats(), [0.0]
+
+            def factory(env_s=env_s):
+                return _TimedEnv(s.env.env(tok), env_s)
+
+            t0 = time.perf_counter()
+            traj = run_episodes(
+                model, params, tasks, factory, tok, s.rollout, jax.random.key(rep),
+                n_slots=batch, stats=stats, max_turns=s.train.max_turns,
+            )  # fmt: skip
+            wall = time.perf_counter() - t0
+            runs.append((wall, int(np.asarray(traj.action_mask).sum()), stats, env_s[0]))
+        wall, new, stats, env = sorted(runs[1:], key=lambda r: r[0])[len(runs[1:]) // 2]
+        out.append(
+            {
+                "batch": batch,
+                "new_tokens_per_s": new / wall,
+                "prompt_tokens_per_s": stats.prefill_tokens / wall,
+                "new_tokens": new,
+                "prefill_tokens": stats.prefill_tokens,
+                "prefill_calls": stats.prefill_calls,
+                "decode_calls": stats.decode_calls,
+                "decode_tokens": stats.decode_tokens,
+                "wall_s_median": wall,
+                "env_s": env,
+                "turns": s.train.max_turns,
+                "temperature": s.rollout.temperature,
+                "policy": s.policy.name,
+                "reps": args.reps,
+            }
+        )
+    return out
+
+
+class _TimedEnv:
+    """An environment whose ``step`` time is added to ``seconds[0]``."""
+
+    def __init__(self, env, seconds):
+        self.env, self.seconds = env, seconds
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def step(self, action):
+        t0 = time.perf_counter()
+        try:
+            return self.env.step(action)
+        finally:
+            self.seconds[0] += time.perf_counter() - t0
+
+
+def run_variant(args, tmp: str) -> list[dict]:
+    if not args.run_dir:
+        raise SystemExit("--variants run needs --run-dir RUN_DIR (a finished make train run)")
+    rows = [json.loads(x) for x in open(os.path.join(args.run_dir, "metrics.jsonl"))]
+    summary = json.load(open(os.path.join(args.run_dir, "summary.json")))
+
+    def median(key):
+        vals = [r[key] for r in rows if key in r]
+        return float(np.median(vals)) if vals else None
+
+    rollout, update = median("rl/rollout_s"), median("rl/update_s")
+    rss = [r["rl/host_peak_rss_bytes"] for r in rows if "rl/host_peak_rss_bytes" in r]
+    line = {
+        "run_dir": args.run_dir,
+        "trained": summary.get("model"),
+        "rl_steps": summary.get("rl_steps"),
+        "rl_step_s": rollout + update if rollout is not None and update is not None else None,
+        "rollout_s": rollout,
+        "logprob_s": 0.0,
+        "update_s": update,
+        "peak_rss_bytes": max(rss) if rss else None,
+        "run_wall_s": summary.get("wall_s"),
+    }
+    for mode, gain in (summary.get("heldout_gain") or {}).items():
+        key = "" if mode == "greedy" else f"_{mode}"
+        line.update(
+            {
+                f"heldout_success_before{key}": summary.get(f"heldout{key}_success_before_rl"),
+                f"heldout_success_after{key}": summary.get(f"heldout{key}_success_after_rl"),
+                f"heldout_gain{key}": gain["delta"],
+                f"heldout_gain_se{key}": gain["stderr"],
+                f"heldout_n{key}": gain["n"],
+            }
+        )
+    success = [r["rl/success"] for r in rows if "rl/success" in r]
+    rejected = [r["rl/rejected_call_rate"] for r in rows if "rl/rejected_call_rate" in r]
+    line["train_success_curve"] = [round(x, 4) for x in success]
+    line["rejected_call_rate_first_last"] = [rejected[0], rejected[-1]] if rejected else None
+    return [line]
+
+
 VARIANTS: dict[str, Callable[[argparse.Namespace, str], list[dict]]] = {
     "convert": convert_variant,
+    "rollout": rollout_variant,
+    "run": run_variant,
 }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default="convert,rollout")
+    parser.add_argument("--batches", default="8,32", help="rollout: slots (= episodes) per run")
+    parser.add_argument("--run-dir", default="", help="run: a finished make train run")
     parser.add_argument("--reps", type=int, default=5, help="timed conversions (after one warm)")
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="also append the lines to this JSONL file")

@@ -53,6 +53,7 @@ def _batch(seed):
     }
 
 
+@pytest.mark.slow  # minutes of 2 cores cold: `make test-slow` (CI runs it)
 def test_vmapped_update_matches_per_point_update_fn():
     """P=2 points (lr, weight decay, clip bounds swept) x 2 steps on fixed batches: jax.vmap of
     the one update over stacked point states equals two separate jitted ``make_update_fn``

@@ -70,7 +70,8 @@ class StepResult:
       process: PRM milestone signals of this step, e.g. ``{"parse": 1.0}``; signed floats, zero
         when nothing changed.
       log: record of the tool call: ``tool``, ``args``, ``output`` (text), ``error`` (bool) and,
-        on the final step, ``success`` and ``goal_adhered``.
+        on the final step, ``success`` and ``goal_adhered``; a chat environment adds ``text``,
+        the model's turn as decoded (the call as written, malformed or not).
     """
 
     done: bool

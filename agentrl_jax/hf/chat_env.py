@@ -25,6 +25,7 @@ template's own, and every cut falls next to a special token, where no BPE merge 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -94,6 +95,7 @@ class ChatEnv:
         else:
             obs_text, result = self.inner.step_call(None, None, error)
         self.last_call = call
+        result = dataclasses.replace(result, log={**result.log, "text": text})
         ok = error is None
         as_call = ok and not code_tool
         assistant = _assistant_message(call.name if as_call else None, call.arguments, text)

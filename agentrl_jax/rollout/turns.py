@@ -58,6 +58,7 @@ def turn_log(
         tool=res.log.get("tool", ""),
         args=_args(res.log.get("args", ())),
         output=res.log.get("output", ""),
+        **({"text": res.log["text"]} if "text" in res.log else {}),  # a chat env's whole turn
         error=bool(res.log.get("error", False)),
         process=dict(res.process),
         hack_suspect=list(res.log.get("hack_suspect", ())),

@@ -246,6 +246,7 @@ def test_bad_calls_become_error_observations(tokenizers, text, error):
     env.reset(TASKS[2])
     obs, res = env.step(tok.encode(text + "<|im_end|>"))
     assert res.log["error"] and not res.done and res.process["rejected"] == -1.0
+    assert res.log["text"] == tok.decode(tok.encode(text + "<|im_end|>"))  # the call as written
     assert f"error {error}" in tok.decode(obs)
     assert env.messages[-1]["role"] == "user"  # answered as a user turn, the episode goes on
     obs, res = env.step(tok.encode(QwenToolCalls().render_call("run", {})))
@@ -256,7 +257,8 @@ def test_bad_calls_become_error_observations(tokenizers, text, error):
 def test_agent_loop_plays_chat_env_unchanged(tokenizers):
     """A tiny Qwen3 (vocabulary of the BPE) plays code repair through ChatEnv in the existing
     agent loop; every observation in the trajectory is what ChatEnv answers to the sampled turn
-    before it, tokenised on its own (replayed here turn by turn), after the prompt ids."""
+    before it, tokenised on its own (replayed here turn by turn), after the prompt ids; each
+    turn's log holds the turn's text as decoded."""
     import jax
 
     from agentrl_jax.hf import load_pretrained
@@ -275,6 +277,7 @@ def test_agent_loop_plays_chat_env_unchanged(tokenizers):
         RolloutConfig(max_new_tokens=12, max_len=1024, page_size=16), jax.random.key(0),
         max_turns=2,
     )  # fmt: skip
+    texts = []
     for row, task in enumerate(TASKS[:2]):
         tokens = np.asarray(traj.tokens[row])
         mask, turns = np.asarray(traj.action_mask[row]), np.asarray(traj.turn_ids[row])
@@ -285,8 +288,10 @@ def test_agent_loop_plays_chat_env_unchanged(tokenizers):
             action = tokens[(turns == k) & mask].tolist()
             observed = tokens[(turns == k) & ~mask].tolist()
             assert action, "the model sampled a turn"
+            texts.append(tok.decode(action))
             obs, _ = env.step(action)
             assert observed == obs[: len(observed)] and (k == 2 or observed == obs)
+    assert sorted(r["text"] for r in traj.logs) == sorted(texts)
 
 
 def test_template_that_rewrites_earlier_turns(tokenizers):

@@ -102,6 +102,7 @@ def _sink_params():
     return jax.tree.map(lambda a: a + 0.5 * jax.random.normal(jax.random.key(7), a.shape), params)
 
 
+@pytest.mark.slow  # minutes of 2 cores cold: `make test-slow` (CI runs it)
 def test_sink_model_chunked_and_decode_match_teacher_forced():
     """Sinks on every path: teacher-forced, chunked prefill against the ring / paged cache, and
     the sampler's decode (whose D layers then skip the paged decode kernel)."""

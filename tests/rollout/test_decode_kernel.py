@@ -283,6 +283,7 @@ def fast_model(fp32_model):
     return Transformer(CFG, get_policy("fp32")), fp32_model[1]
 
 
+@pytest.mark.slow  # minutes of 2 cores cold: `make test-slow` (CI runs it)
 def test_fast_policy_rollout_same_tokens_and_logprobs(fast_model, tokenizer):
     model, params = fast_model
     ker, _, _ = play(model, params, tokenizer)

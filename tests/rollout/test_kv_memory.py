@@ -63,6 +63,7 @@ def unconstrained(fp32_model, tokenizer):
     return run(model, params, tokenizer, eviction=POLICY)
 
 
+@pytest.mark.slow  # minutes of 2 cores cold: `make test-slow` (CI runs it)
 def test_episode_larger_than_its_pool_completes_with_eviction_and_int8(
     fp32_model, tokenizer, unconstrained
 ):

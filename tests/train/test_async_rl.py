@@ -127,6 +127,7 @@ def test_sigkilled_async_run_resumes_bitwise(tmp_path):
     assert [step for step, _, _ in _tasks(str(broken))] == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow  # minutes of 2 cores cold: `make test-slow` (CI runs it)
 def test_overlapped_environment_without_staleness_resumes_bitwise(tmp_path):
     """``train.overlap_env`` at k=0: the rollout side plays every batch under the current
     version (lag 0) with tool calls overlapping the model; a checkpoint without older

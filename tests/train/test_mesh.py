@@ -241,6 +241,7 @@ class _EchoEnv:
         return obs, StepResult(done=done, outcome_reward=float(done), process={}, log=log)
 
 
+@pytest.mark.slow  # minutes of 2 cores cold: `make test-slow` (CI runs it)
 def test_rollout_under_mesh_samples_the_same_tokens():
     policy = get_policy("fp32-parity")
     cfg = CFG.replace(vocab_size=512, layer_pattern="SF", window=8)

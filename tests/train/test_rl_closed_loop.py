@@ -11,6 +11,7 @@ chance (or lowers it), so the test fails.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from agentrl_jax.envs.base import StepResult
 from agentrl_jax.envs.coderepair import CodeTokenizer
@@ -95,6 +96,7 @@ def _success_curve(sign: float, steps: int) -> list[float]:
     return curve
 
 
+@pytest.mark.slow  # minutes of 2 cores cold: `make test-slow` (CI runs it)
 def test_rl_raises_success_of_a_contextual_bandit():
     curve = _success_curve(1.0, steps=16)
     assert curve[0] < 0.45, curve  # a random policy: ~25%

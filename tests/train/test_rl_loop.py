@@ -34,6 +34,7 @@ def _rl_run(cfg, run_dir, params, *, resume=False) -> RLRun:
     return RLRun(build(cfg), str(run_dir), params, seed=cfg.seed, resume=resume)
 
 
+@pytest.mark.slow  # minutes of 2 cores cold: `make test-slow` (CI runs it)
 def test_main_job_smoke(tmp_path):
     cfg = load_config(SMOKE, [f"workdir={tmp_path}", "train.eval_every=1", ONE_DEVICE, *EVAL_4])
     summary = run(cfg, progress=False)
