@@ -11,22 +11,16 @@ With ``Cp == C`` (forced for ``policy.parity``) every token's logits are compute
 in training (bitwise).
 
 Decode kernel: where ``model.dispatch.one_row_decode`` says so (``RolloutConfig.decode_kernel``,
-the default, under a non-parity policy, on a state that does not track attention mass) decode
-feeds one row per step to a model built with ``decode_kernel=True``, so F/D layers attend
-through ``agentrl_jax.kernels.paged_decode_attention`` (its impl by ``model.dispatch``: the
-C++ kernel or XLA on CPU, Pallas on GPU/TPU) reading the page pool and block tables directly;
-S layers keep their ring buffers. Tokens and logprobs equal the chunk path's up to fp32
-reduction order (tested). An int8 pool and recorded eviction / int8 decisions go through the
-kernel too (a float-pool and an int8-pool call merged by log-sum-exp, the keep mask as the
-kernel's key mask). When the state tracks attention mass for KV eviction
-(``init_state(track_mass=True)``), decode uses the chunk path (the kernel returns no
-probabilities). Parity policies always use the chunk path.
+non-parity policy, no attention-mass tracking) decode feeds one row per step to a model built
+with ``decode_kernel=True``: F/D layers attend through ``kernels.paged_decode_attention`` (impl
+by ``model.dispatch``) reading the page pool and block tables directly, S layers keep their
+rings; an int8 pool and recorded eviction / int8 decisions go through it too (float and int8
+calls merged by log-sum-exp). Tokens and logprobs equal the chunk path's up to fp32 reduction
+order (tested). Otherwise decode runs the chunk path (the kernel returns no probabilities).
 
 Decode parameters: the one-row decode reads its parameters rewritten once per weight version
-(``model.decode_params``: unstacked groups, joined MLP projections, the tied head transposed or
-every weight packed for the ``decode_matmul`` kernel). :meth:`Sampler.prepare` makes that value
-(a ``DecodeParams``) and :meth:`Sampler.decode` takes it (the agent loop prepares when its
-weights change); given plain parameters, decode prepares them inside each call.
+(``model.decode_params``); :meth:`Sampler.prepare` makes that ``DecodeParams`` value and
+:meth:`Sampler.decode` takes it (given plain parameters, it prepares them inside each call).
 
 int8 pool (``init_state(int8_pages=...)``): F/D layers get a second pool of int8 pages with its
 own block tables (``cache['int8_tables']``, filled by the agent loop); pages whose tokens are all

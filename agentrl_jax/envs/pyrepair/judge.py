@@ -292,7 +292,7 @@ class Worker:
         self.dead = True
 
 
-class Session:
+class SolutionLink:
     """The solution of one job, served by a worker (replaced when it breaks)."""
 
     def __init__(self, zygote, source):
@@ -336,11 +336,11 @@ class Session:
 class Remote:
     """What a test imports from ``solution``: calls go to the worker."""
 
-    def __init__(self, session, name):
-        self._session, self.__name__ = session, name
+    def __init__(self, link, name):
+        self._link, self.__name__ = link, name
 
     def __call__(self, *args, **kwargs):
-        return self._session.call(self.__name__, args, kwargs)
+        return self._link.call(self.__name__, args, kwargs)
 
     def __repr__(self):
         return f"<function {self.__name__}>"
@@ -434,13 +434,13 @@ def run_job(job, zygote, limit, report):
     """One job's results (``failures``: ``[title, lines, captured]`` when ``report``)."""
     test_file = job["test_file"]
     result = {"names": [], "outcomes": [], "errors": [], "collect_error": None, "failures": []}
-    session = Session(zygote, job["solution"])
+    link = SolutionLink(zygote, job["solution"])
     try:
         with deadline(limit):
-            names = session.start()
+            names = link.start()
             module = types.ModuleType("solution")
             for name in names:
-                setattr(module, name, Remote(session, name))
+                setattr(module, name, Remote(link, name))
             sys.modules["solution"] = module
             tests = _load("test_module", job["tests"], test_file)
     except BaseException as e:  # noqa: BLE001 - any failure at import is a collection error
@@ -448,7 +448,7 @@ def run_job(job, zygote, limit, report):
         if report:
             lines = _short_tb(e, test_file, min(limit, 1.0))
             result["failures"].append(["ERROR collecting " + test_file, lines, ""])
-        session.close()
+        link.close()
         return result
     funcs = [
         f
@@ -460,8 +460,8 @@ def run_job(job, zygote, limit, report):
         captured, outcome, error = io.StringIO(), "error", None
         try:
             with deadline(limit):
-                if session.broken:
-                    session.start()
+                if link.broken:
+                    link.start()
                 stdout, sys.stdout = sys.stdout, captured
                 try:
                     f()
@@ -472,16 +472,16 @@ def run_job(job, zygote, limit, report):
             outcome = "failed" if isinstance(e, AssertionError) else "error"
             error = type(e).__name__
             if report:
-                text = captured.getvalue() + session.take_output()
+                text = captured.getvalue() + link.take_output()
                 lines = _short_tb(e, test_file, min(limit, 1.0))
-                session.take_output()  # what re-evaluating the assertion printed
+                link.take_output()  # what re-evaluating the assertion printed
                 result["failures"].append([f.__name__, lines, text])
         result["names"].append(f.__name__)
         result["outcomes"].append(outcome)
         result["errors"].append(error)
         if outcome != "passed" and job.get("stop_at_first_failure"):
             break
-    session.close()
+    link.close()
     return result
 
 
